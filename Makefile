@@ -1,0 +1,34 @@
+# Two commands for a new user; each sets itself up on a fresh machine:
+#   make demo   - creates .venv (CPU torch 2.13.0) if needed, then runs the demo
+#   make test   - creates .venv if needed, then lint + the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lightning-hydra-installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m lightning_hydra.bench.schedule --world-sizes 64 512 --fills 0.75
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m lightning_hydra.bench.schedule --full
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

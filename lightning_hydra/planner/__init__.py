@@ -1,0 +1,141 @@
+"""The planner: pure, deterministic scheduling of a global batch onto a dynamic-CP pool.
+
+Nothing here imports ``torch.distributed``: every rank runs the same function on the same lengths and gets the
+same :class:`Plan` (compare :meth:`Plan.digest` to be sure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
+from lightning_hydra.planner.hydra import schedule_hydra
+from lightning_hydra.planner.mcore import megatron_min_degree, schedule_mcore
+from lightning_hydra.planner.plan import Group, Plan, PlanError
+from lightning_hydra.planner.request import PlanRequest
+from lightning_hydra.planner.static import schedule_static
+
+__all__ = [
+    "POLICIES",
+    "CostModel",
+    "DegreeRules",
+    "Group",
+    "Plan",
+    "PlanError",
+    "PlanRequest",
+    "megatron_min_degree",
+    "schedule",
+    "shard_tokens",
+]
+
+POLICIES = {"hydra": schedule_hydra, "mcore": schedule_mcore, "static": schedule_static}
+"""Scheduling policies by name."""
+
+
+def schedule(
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    world_size: int,
+    num_microbatches: int,
+    max_tokens_per_rank: int,
+    cost: CostModel,
+    policy: str = "hydra",
+    ranks_per_node: int = 8,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    seed: int = 0,
+    max_ulysses: int | None = None,
+    max_ring: int | None = None,
+    max_seq_len: int | None = None,
+) -> Plan:
+    """Plan one global batch: every sequence's CP degree, group and microbatch.
+
+    Args:
+        lengths: Token count of every sequence of the global batch.
+        world_size: Ranks in the dynamic-CP pool.
+        num_microbatches: Microbatches (gradient-accumulation passes) asked for; ``mcore`` and a spill may use more.
+        max_tokens_per_rank: Capacity: tokens one rank may hold in one microbatch (zigzag padding included).
+        cost: The cost model that predicts loads.
+        policy: ``"hydra"``, ``"mcore"`` or ``"static"``.
+        ranks_per_node: Ranks per node; Ulysses groups stay inside one.
+        num_heads: Query heads, which the Ulysses degree must divide (``None``: no constraint).
+        num_kv_heads: Key/value heads (must divide ``num_heads``); KV heads are replicated when Ulysses exceeds them.
+        seed: Seed for tie-breaking (kept in the signature so that every policy is a function of it).
+        max_ulysses: Cap on the Ulysses degree.
+        max_ring: Cap on the ring degree.
+        max_seq_len: Longest sequence the run allows (sizes the ``static`` degree); default the batch's longest.
+
+    Returns:
+        The plan; it has passed :meth:`Plan.check`.
+
+    Raises:
+        ValueError: On malformed arguments (unknown policy, non-positive sizes, an empty batch).
+        PlanError: When no valid plan exists (a sequence larger than the pool, heads no degree can split, too few
+            microbatches for the batch's tokens).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("the batch is empty: schedule needs at least one sequence length")
+    if not np.issubdtype(arr.dtype, np.integer) and not np.all(np.equal(np.mod(arr, 1), 0)):
+        raise ValueError("sequence lengths must be integers")
+    arr = arr.astype(np.int64)
+    if (arr <= 0).any():
+        bad = int(np.flatnonzero(arr <= 0)[0])
+        raise ValueError(f"sequence lengths must be positive; sequence {bad} has length {int(arr[bad])}")
+    if world_size < 1 or ranks_per_node < 1 or max_tokens_per_rank < 1:
+        raise ValueError("world_size, ranks_per_node and max_tokens_per_rank must be positive")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    if world_size < ranks_per_node:
+        if ranks_per_node % world_size:
+            raise ValueError(
+                f"a pool of {world_size} ranks smaller than one node must divide ranks_per_node={ranks_per_node}"
+            )
+        ranks_per_node = world_size
+    elif world_size % ranks_per_node:
+        raise ValueError(f"world_size {world_size} is not a multiple of ranks_per_node {ranks_per_node}")
+    if num_heads is not None and num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if num_kv_heads is not None and (num_heads is None or num_kv_heads < 1 or num_heads % num_kv_heads):
+        raise ValueError(f"num_kv_heads={num_kv_heads} must be positive and divide num_heads={num_heads}")
+
+    rules = DegreeRules(
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        num_heads=num_heads,
+        max_ulysses=max_ulysses,
+        max_ring=max_ring,
+    )
+    degrees = rules.degrees()
+    if not degrees:
+        raise PlanError(f"no degree of the pool can be factored as ulysses x ring for {num_heads} heads")
+    longest = int(arr.max())
+    if rules.memory_min(longest, max_tokens_per_rank) is None:
+        pool = degrees[-1] * max_tokens_per_rank
+        raise PlanError(
+            f"a sequence of {longest} tokens cannot fit: the largest degree the pool allows ({degrees[-1]}, for "
+            f"heads={num_heads}, max_ring={max_ring}) holds {pool} tokens at {max_tokens_per_rank} per rank"
+        )
+    total = int(arr.sum())
+    if total > num_microbatches * world_size * max_tokens_per_rank:
+        raise PlanError(
+            f"infeasible num_microbatches={num_microbatches}: the batch holds {total} tokens but the pool holds "
+            f"{num_microbatches * world_size * max_tokens_per_rank} over {num_microbatches} microbatches"
+        )
+    req = PlanRequest(
+        lengths=arr,
+        num_microbatches=num_microbatches,
+        capacity=max_tokens_per_rank,
+        cost=cost,
+        rules=rules,
+        seed=seed,
+        max_seq_len=max_seq_len,
+    )
+    plan = POLICIES[policy](req)
+    plan.check(arr.tolist(), max_tokens_per_rank)
+    return plan

@@ -1,0 +1,196 @@
+"""The cost model: predicted per-rank time of a sequence, or a bin, at a CP degree ``d = ulysses * ring``.
+
+One :class:`CostModel` object is shared by the scheduler, the metrics and the simulator. Its coefficients are plain
+fields so that calibration (a later refit from measured times) can hand new values to the planner as data.
+
+Per sequence of length ``L`` on a group of degree ``d = u * r`` (DESIGN.md section 3)::
+
+    compute(L, d) = (attn * L**2 + linear * L) / d + seq_overhead
+    ulysses(L, d, u) = a2a_latency + a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_bw      (if u > 1)
+    ring(L, d, u, r) = sum over r - 1 steps of max(0, step_comm - step_attn) + p2p_latency          (if r > 1)
+
+where ``step_comm = ring_bytes_per_token * (L / r) / u / inter_bw`` is one KV block hop (forward and backward
+together) and ``step_attn`` the attention compute of one block that it can hide behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["CostModel"]
+
+ArrayLike = np.ndarray | float | int
+
+
+@dataclass(kw_only=True)
+class CostModel:
+    """Predicted time (seconds) of a rank's work in one microbatch.
+
+    All coefficients are per *training* pass (forward plus backward) and are plain floats so they can be refitted.
+    """
+
+    attn: float
+    """Seconds per ``L**2`` of one sequence on one rank (causal attention, forward plus backward)."""
+    linear: float
+    """Seconds per token on one rank (GEMMs, norms, MLP, LM head; forward plus backward)."""
+    seq_overhead: float = 0.0
+    """Seconds per sequence per rank that do not shrink with the degree (kernel launches, bookkeeping)."""
+    a2a_bytes_per_token: float = 0.0
+    """Bytes one rank exchanges per local token in the Ulysses all-to-alls of all layers, forward plus backward
+    (q, k, v and the output, before the ``(u - 1) / u`` share that leaves the rank)."""
+    ring_bytes_per_token: float = 0.0
+    """Bytes of KV (forward) plus KV and dKV (backward) of all layers per token of one ring block, all heads."""
+    intra_node_bandwidth: float = 400e9
+    """Bytes per second one rank achieves in an all-to-all inside a node (NVLink class)."""
+    inter_node_bandwidth: float = 50e9
+    """Bytes per second one rank achieves on point-to-point transfers between nodes (InfiniBand class)."""
+    a2a_latency: float = 0.0
+    """Fixed seconds per microbatch for the Ulysses all-to-alls of all layers (latency, not bandwidth)."""
+    p2p_latency: float = 0.0
+    """Fixed seconds per ring step for the P2P transfers of all layers."""
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_transformer(
+        cls,
+        hidden_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        ffn_hidden_size: int | None = None,
+        vocab_size: int = 32000,
+        *,
+        flops_per_second: float = 400e12,
+        bytes_per_element: int = 2,
+        intra_node_bandwidth: float = 400e9,
+        inter_node_bandwidth: float = 50e9,
+        seq_overhead: float = 20e-6,
+        a2a_latency: float = 30e-6,
+        p2p_latency: float = 20e-6,
+    ) -> CostModel:
+        """Derive coefficients from a causal decoder's shape and an achieved FLOP rate.
+
+        Training FLOPs per token are ``6 * params`` for the linear part; causal attention adds
+        ``6 * L * hidden * layers`` per token (DESIGN.md section 3), i.e. ``6 * hidden * layers`` per ``L**2``.
+
+        Args:
+            hidden_size: Model width (query heads times head dimension).
+            num_layers: Number of transformer blocks.
+            num_heads: Query heads.
+            num_kv_heads: Key/value heads (GQA); defaults to ``num_heads``.
+            ffn_hidden_size: SwiGLU inner width; defaults to ``4 * hidden_size``.
+            vocab_size: Vocabulary size (LM head GEMM).
+            flops_per_second: Achieved (not peak) FLOP rate of one rank.
+            bytes_per_element: Activation element size on the wire (2 for bf16).
+            intra_node_bandwidth: All-to-all bytes/s per rank inside a node.
+            inter_node_bandwidth: P2P bytes/s per rank between nodes.
+            seq_overhead: Seconds per sequence per rank that do not shrink with the degree.
+            a2a_latency: Fixed seconds of the Ulysses all-to-alls per microbatch (all layers).
+            p2p_latency: Fixed seconds per ring step (all layers).
+
+        Returns:
+            The analytic cost model.
+        """
+        if min(hidden_size, num_layers, num_heads) <= 0:
+            raise ValueError("hidden_size, num_layers and num_heads must be positive")
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        head_dim = hidden_size // num_heads
+        kv_dim = kv_heads * head_dim
+        per_layer = hidden_size * (hidden_size + 2 * kv_dim) + hidden_size * hidden_size + 3 * hidden_size * ffn
+        params = num_layers * per_layer + hidden_size * vocab_size
+        # Ulysses moves q, k, v in and the output back, forward; the same volume again backward (gradients).
+        a2a_elems = 2 * (hidden_size + 2 * kv_dim + hidden_size)
+        # The ring moves k and v forward; backward it moves k, v again plus dk, dv.
+        ring_elems = 2 * kv_dim + 4 * kv_dim
+        return cls(
+            attn=6.0 * hidden_size * num_layers / flops_per_second,
+            linear=6.0 * params / flops_per_second,
+            seq_overhead=seq_overhead,
+            a2a_bytes_per_token=float(a2a_elems * bytes_per_element * num_layers),
+            ring_bytes_per_token=float(ring_elems * bytes_per_element * num_layers),
+            intra_node_bandwidth=intra_node_bandwidth,
+            inter_node_bandwidth=inter_node_bandwidth,
+            a2a_latency=a2a_latency,
+            p2p_latency=p2p_latency,
+        )
+
+    def replace(self, **changes: float) -> CostModel:
+        """Return a copy with some coefficients changed (for example after a refit)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, float]:
+        """Coefficients as a plain dict (checkpoints, JSON)."""
+        return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, float]) -> CostModel:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**values)
+
+    # ------------------------------------------------------------------ predictions
+    def useful(self, length: ArrayLike) -> ArrayLike:
+        """Useful compute of a whole sequence on one rank: ``attn * L**2 + linear * L`` (no overheads)."""
+        length = np.asarray(length, dtype=np.float64)
+        return self.attn * length * length + self.linear * length
+
+    def compute(self, length: ArrayLike, degree: ArrayLike) -> ArrayLike:
+        """Per-rank compute of a sequence split over ``degree`` ranks, per-sequence overhead included."""
+        return self.useful(length) / np.asarray(degree, dtype=np.float64) + self.seq_overhead
+
+    def comm(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Exposed per-rank CP communication of a sequence on a group of ``ulysses * ring`` ranks."""
+        length = np.asarray(length, dtype=np.float64)
+        u = np.asarray(ulysses, dtype=np.float64)
+        r = np.asarray(ring, dtype=np.float64)
+        d = u * r
+        a2a = np.where(u > 1, self.a2a_bytes_per_token * (length / d) * (u - 1) / u / self.intra_node_bandwidth, 0.0)
+        # One ring step moves one super-chunk block of L / r tokens for H / u heads; it can hide behind the
+        # attention compute of one block (a 1 / r**2 share of the sequence's attention on this rank's heads).
+        step_comm = self.ring_bytes_per_token * (length / r) / u / self.inter_node_bandwidth
+        step_attn = self.attn * length * length / (d * r)
+        ring_time = np.where(r > 1, (r - 1) * (np.maximum(step_comm - step_attn, 0.0) + self.p2p_latency), 0.0)
+        return a2a + ring_time
+
+    def sequence(self, length: ArrayLike, ulysses: ArrayLike = 1, ring: ArrayLike = 1) -> ArrayLike:
+        """Per-rank time of one sequence at degree ``ulysses * ring``: compute plus exposed communication."""
+        u = np.asarray(ulysses, dtype=np.float64)
+        r = np.asarray(ring, dtype=np.float64)
+        return self.compute(length, u * r) + self.comm(length, u, r)
+
+    def table(self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> np.ndarray:
+        """:meth:`sequence` for every pair of degree ``(ulysses[k], ring[k])`` and length ``lengths[i]``: ``[K, n]``.
+
+        Same values as the broadcast call, built from per-degree coefficients with few temporaries (the planner
+        calls this on thousands of sequences).
+        """
+        lens = np.asarray(lengths, dtype=np.float64)[None, :]
+        u = np.asarray(ulysses, dtype=np.float64)[:, None]
+        r = np.asarray(ring, dtype=np.float64)[:, None]
+        d = u * r
+        per_token = self.linear / d + np.where(
+            u > 1, self.a2a_bytes_per_token * (u - 1) / u / d / self.intra_node_bandwidth, 0.0
+        )
+        out = lens * (per_token + self.attn / d * lens) + self.seq_overhead
+        ringed = np.flatnonzero(r[:, 0] > 1)
+        if ringed.size:
+            rr, uu, dd = r[ringed], u[ringed], d[ringed]
+            step_comm = self.ring_bytes_per_token / (rr * uu) / self.inter_node_bandwidth
+            step_attn = self.attn / (dd * rr)
+            exposed = np.maximum(lens * (step_comm - step_attn * lens), 0.0)
+            out[ringed] += (rr - 1) * (exposed + self.p2p_latency)
+        return out
+
+    def bin_time(self, lengths: ArrayLike, ulysses: int = 1, ring: int = 1) -> float:
+        """Predicted time of one rank of a group that processes ``lengths`` together at ``ulysses * ring``.
+
+        The Ulysses latency is paid once per bin, not once per sequence; everything else adds up.
+        """
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if lengths.size == 0:
+            return 0.0
+        total = float(np.sum(self.sequence(lengths, ulysses, ring)))
+        return total + (self.a2a_latency if ulysses > 1 else 0.0)

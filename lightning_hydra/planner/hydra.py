@@ -1,0 +1,435 @@
+"""The ``hydra`` policy: load-driven dynamic CP with closed-form targets and lazy-heap placement.
+
+Per global batch:
+
+1. **Microbatches.** Two ways to deal the batch into ``M`` microbatches are both planned and the plan with the
+   lower predicted span (sum over microbatches of the maximum rank load) is kept: *sorted* (length-sorted runs
+   of equal token count, plus the shortest ``1 / M`` of the tokens dealt to all as filler) and *snake* (longest
+   first, dealt ``0..M-1, M-1..0``, so that every microbatch gets the same mix). Each microbatch gets its own
+   target.
+2. **Target.** Total work is conserved when a sequence is split, so a perfectly balanced microbatch puts
+   ``T_m = W_m / N`` on every rank (``W_m`` the rank-time of its sequences at their memory minimum, overheads and
+   communication included): the closed form, and the floor of the target. Communication and the
+   granularity of group sizes raise the rank-work above ``W_m``; the target is the smallest ``T >= W_m / N`` for
+   which the groups the microbatch needs fit the pool (bisection on a vectorised count; no placement). Only the
+   sequences whose degree can change above the floor are re-evaluated at each step.
+3. **Degrees.** Each sequence gets the smallest allowed degree whose per-rank cost is at most ``T``, never below
+   the memory minimum. Degrees are ``ulysses * ring`` with eight steps per octave, so a group can be sized to its
+   load; long sequences therefore get degrees larger than memory needs.
+4. **Groups.** A sequence above ``T / 2`` needs a group of its own; smaller ones are fluid and fill the slack
+   beside the big ones; each degree gets as many groups as its load needs, leftover ranks go to the degrees
+   loaded the most, and every group is opened up front.
+5. **Placement with lazy heaps.** Sequences go in decreasing work to the least loaded group of their degree if it
+   stays within ``T``, else to the least loaded group of their degree or larger (short sequences join larger
+   groups; the cost model charges that degree's communication and overheads). One min-heap per size holds the
+   groups: a group whose load changes gets a fresh entry, stale entries are dropped when they surface and groups
+   without token room are parked until a smaller sequence comes. A placement costs ``O(sizes * log N)``, never a
+   scan of the pool.
+6. **Move pass.** The most loaded group sheds sequences to the least loaded compatible group while that lowers
+   the maximum (bounded). Groups are laid out largest Ulysses degree first, so every group is contiguous and
+   every Ulysses block stays inside a node.
+
+Sequences that no group can take (tokens) go to a further microbatch rather than being dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from lightning_hydra.planner.plan import Group, Plan, PlanError
+from lightning_hydra.planner.request import PlanRequest
+
+__all__ = ["schedule_hydra", "split_snake", "split_sorted"]
+
+BISECTION_STEPS = 12
+"""Bisection steps of the target search."""
+MOVE_LIMIT = 256
+"""Most moves of the final move pass per microbatch."""
+
+
+def split_sorted(lengths: np.ndarray, num_microbatches: int, filler_share: float | None = None) -> list[np.ndarray]:
+    """Length-sorted runs of equal token count, plus the shortest sequences dealt to all as filler.
+
+    The shortest sequences, ``filler_share`` of the tokens (default ``1 / M``), are kept aside; the rest is cut
+    into ``M`` runs; filler then goes, longest first, to the microbatch holding the fewest tokens.
+    """
+    order = np.argsort(-lengths, kind="stable")
+    tokens = lengths[order].astype(np.float64)
+    share = 1.0 / num_microbatches if filler_share is None else filler_share
+    from_end = np.cumsum(tokens[::-1])[::-1]
+    cut = len(order) if num_microbatches == 1 else int(np.searchsorted(-from_end, -share * tokens.sum()))
+    heavy, heavy_tokens = order[:cut], tokens[:cut]
+    out: list[list[int]] = [[] for _ in range(num_microbatches)]
+    if heavy.size:
+        mid = np.cumsum(heavy_tokens) - heavy_tokens / 2
+        which = np.minimum((mid / heavy_tokens.sum() * num_microbatches).astype(np.int64), num_microbatches - 1)
+        for i, m in zip(heavy.tolist(), which.tolist(), strict=True):
+            out[m].append(i)
+    held = [(int(lengths[ids].sum()) if ids else 0, m) for m, ids in enumerate(out)]
+    heapq.heapify(held)
+    for i in order[cut:].tolist():
+        tok, m = heapq.heappop(held)
+        out[m].append(i)
+        heapq.heappush(held, (tok + int(lengths[i]), m))
+    return [np.asarray(ids, dtype=np.int64) for ids in out]
+
+
+def split_snake(lengths: np.ndarray, num_microbatches: int) -> list[np.ndarray]:
+    """Longest first, dealt ``0, 1, ..., M-1, M-1, ..., 0`` so that every microbatch gets the same mix."""
+    order = np.argsort(-lengths, kind="stable")
+    pos = np.arange(order.size) % (2 * num_microbatches)
+    which = np.where(pos < num_microbatches, pos, 2 * num_microbatches - 1 - pos)
+    return [order[which == m] for m in range(num_microbatches)]
+
+
+class _Degrees:
+    """The fine degree table of a pool: sizes, factorizations, Ulysses latencies (shared by all microbatches)."""
+
+    def __init__(self, req: PlanRequest) -> None:
+        self.sizes = req.rules.degrees(fine=True)
+        self.deg = np.asarray(self.sizes, dtype=np.int64)
+        self.factors = [req.rules.factor(d) for d in self.sizes]
+        self.u = np.asarray([u for u, _ in self.factors], dtype=np.float64)
+        self.r = np.asarray([r for _, r in self.factors], dtype=np.float64)
+        self.latency = [req.cost.a2a_latency if u > 1 else 0.0 for u, _ in self.factors]
+
+
+class _Microbatch:
+    """Costs of one microbatch's sequences at every degree, their memory minimums, target and degrees."""
+
+    def __init__(self, req: PlanRequest, table: _Degrees, lengths: np.ndarray) -> None:
+        self.table = table
+        self.world_size = req.world_size
+        self.capacity = req.capacity
+        n = lengths.size
+        cols = np.arange(n)
+        lens = lengths.astype(np.float64)
+        # Degrees above what the longest sequence needs at the floor target are never used: costs grow with the
+        # length, and the target only rises from the floor. Compute costs up to that degree only.
+        longest = int(lengths.max())
+        deg = table.deg
+        top = req.cost.table(np.asarray([longest]), table.u, table.r)[:, 0]
+        fits_top = 2 * -(-longest // (2 * deg)) <= req.capacity
+        if not fits_top.any():
+            raise PlanError(f"a sequence of {longest} tokens fits no degree of the pool")
+        usable = fits_top & (top <= float(req.cost.useful(lens).sum()) / req.world_size)
+        last = int(np.argmax(usable)) if usable.any() else int(np.argmin(np.where(fits_top, top, np.inf)))
+        self.rows = last + 1
+        # cost[k, i]: per-rank time of sequence i at degree k; shards[k, i]: its tokens per rank there
+        self.cost = req.cost.table(lens, table.u[: self.rows], table.r[: self.rows])
+        self.shards = 2 * -(-lengths[None, :] // (2 * deg[: self.rows, None]))
+        self.deg = deg[: self.rows]
+        self.min_k = np.argmax(self.shards <= req.capacity, axis=0)
+        # The closed form: every sequence at its memory minimum (where its rank-time, communication and overheads
+        # included, is smallest), spread evenly over the pool. No plan can do better.
+        self.floor = float((self.cost[self.min_k, cols] * self.deg[self.min_k]).sum()) / req.world_size
+        var = self.cost[self.min_k, cols] > self.floor
+        self.var = np.flatnonzero(var)
+        rows = np.arange(self.rows)[:, None]
+        masked = np.where(rows >= self.min_k[None, self.var], self.cost[:, self.var], np.inf)
+        self.runmin = np.minimum.accumulate(masked, axis=0)
+        self.target = self._search_target()
+        self.k = self.degrees_at(self.target)
+        self.work = self.cost[self.k, cols] * self.deg[self.k]
+
+    def degrees_at(self, target: float) -> np.ndarray:
+        """Smallest degree index (at or above the memory minimum) whose cost is at most ``target``; the cheapest
+        allowed degree for a sequence that reaches it nowhere."""
+        k = self.min_k.copy()
+        if self.var.size:
+            count = (self.runmin > target).sum(axis=0)
+            cheapest = np.argmin(self.runmin, axis=0)
+            k[self.var] = np.where(count < self.runmin.shape[0], count, cheapest)
+        return k
+
+    def groups_needed(self, target: float) -> np.ndarray | None:
+        """Groups per degree needed at ``target``, or ``None`` when some sequence cannot get down to ``target``
+        or the shards overflow the pool's tokens.
+
+        A sequence above half the target needs a group of its own; the others are fluid: they fill the slack
+        beside the big ones in groups of their degree or larger and get groups of their own only for the work
+        that does not fit there (credited largest degree first: a sequence never joins a smaller group).
+        """
+        k = self.degrees_at(target)
+        cols = np.arange(k.size)
+        cost = self.cost[k, cols]
+        if (cost > target * (1 + 1e-9)).any():
+            return None
+        deg = self.deg
+        if float((self.shards[k, cols] * deg[k]).sum()) > self.capacity * self.world_size:
+            return None
+        n = deg.size
+        big = cost > target / 2
+        groups = np.bincount(k[big], minlength=n).astype(np.float64)
+        slack = np.bincount(k[big], weights=(target - cost[big]) * deg[k[big]], minlength=n)
+        fluid = np.bincount(k[~big], weights=cost[~big] * deg[k[~big]], minlength=n)
+        carried = 0.0
+        for j in np.flatnonzero((slack > 0) | (fluid > 0))[::-1].tolist():
+            carried += slack[j]
+            if fluid[j] <= 0:
+                continue
+            used = min(carried, fluid[j])
+            extra = np.ceil((fluid[j] - used) / (target * deg[j]) - 1e-9)
+            groups[j] += extra
+            carried += extra * target * deg[j] - fluid[j]
+        return groups
+
+    def ranks_needed(self, target: float) -> float:
+        """Ranks the groups of :meth:`groups_needed` occupy (``inf`` when the target is out of reach)."""
+        groups = self.groups_needed(target)
+        return np.inf if groups is None else float((groups * self.deg).sum())
+
+    def _search_target(self) -> float:
+        """Smallest target ``>= W / N`` whose groups fit the pool (bisection on :meth:`ranks_needed`)."""
+        lo = self.floor
+        if self.ranks_needed(lo) <= self.world_size:
+            return lo
+        hi = max(2 * lo, float(self.cost[self.min_k, np.arange(self.min_k.size)].max()))
+        while self.ranks_needed(hi) > self.world_size:
+            if hi > 1e3 * lo:
+                return hi  # placement will overload gracefully rather than loop forever
+            hi *= 2
+        for _ in range(BISECTION_STEPS):
+            mid = (lo + hi) / 2
+            if self.ranks_needed(mid) <= self.world_size:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+
+class _Placement:
+    """Groups being filled for one microbatch: one lazy min-heap of loads per size, token-full groups parked."""
+
+    def __init__(self, mb: _Microbatch) -> None:
+        self.mb = mb
+        self.sizes = mb.table.sizes
+        self.gk: list[int] = []
+        self.load: list[float] = []
+        self.held: list[int] = []
+        self.bins: list[list[int]] = []
+        self.heaps: dict[int, list[tuple[float, int]]] = {}
+        self.parked: dict[int, list[tuple[int, int]]] = {}  # per size: max-heap of (-room, group)
+        self.classes: list[int] = []
+        self.open_classes: set[int] = set()
+        self.everyone: list[tuple[float, int]] = []  # min-heap of all groups by load (for small sequences)
+        self.everyone_parked: list[tuple[int, int]] = []  # max-heap of (-room, group) without room
+        self.cost = mb.cost.tolist()
+        self.shards = mb.shards.tolist()
+
+    def open_planned(self) -> None:
+        """Open the groups the target search counted; give leftover ranks to the degrees loaded the most."""
+        mb = self.mb
+        deg = mb.deg.tolist()
+        counts = mb.groups_needed(mb.target)
+        if counts is None or float((counts * mb.deg).sum()) > mb.world_size:
+            counts = np.zeros(len(deg))
+        count = counts.astype(np.int64).tolist()
+        load = np.bincount(mb.k, weights=mb.cost[mb.k, np.arange(mb.k.size)], minlength=len(deg)).tolist()
+        left = mb.world_size - sum(c * d for c, d in zip(count, deg, strict=True))
+        loaded = [k for k in range(len(deg)) if load[k] > 0]
+        while left > 0:
+            fitting = [k for k in loaded if deg[k] <= left]
+            if fitting:
+                k = max(fitting, key=lambda j: (load[j] / max(count[j], 1), j))
+            else:
+                k = max(j for j in range(len(deg)) if deg[j] <= left)
+            count[k] += 1
+            left -= deg[k]
+        for k in range(len(deg) - 1, -1, -1):
+            for _ in range(count[k]):
+                g = len(self.gk)
+                self.gk.append(k)
+                self.load.append(0.0)
+                self.held.append(0)
+                self.bins.append([])
+                self.heaps.setdefault(k, []).append((0.0, g))
+                self.everyone.append((0.0, g))
+        self.classes = sorted(self.heaps)
+        self.open_classes = set(self.classes)
+
+    def least_loaded(self, k: int, i: int) -> int | None:
+        """Least loaded group of size ``k`` with token room for sequence ``i``, or ``None``."""
+        heap = self.heaps[k]
+        need = self.shards[k][i]
+        cap = self.mb.capacity
+        parked = self.parked.setdefault(k, [])
+        while parked and -parked[0][0] >= need:  # groups with enough room for this smaller sequence come back
+            _, g = heapq.heappop(parked)
+            heapq.heappush(heap, (self.load[g], g))
+        while heap:
+            lo, g = heap[0]
+            if lo != self.load[g]:
+                heapq.heappop(heap)  # stale
+            elif self.held[g] + need > cap:
+                heapq.heappop(heap)
+                heapq.heappush(parked, (-(cap - self.held[g]), g))
+            else:
+                return g
+        return None
+
+    def put(self, g: int, i: int) -> None:
+        """Add sequence ``i`` to group ``g`` and push the group's new load."""
+        k = self.gk[g]
+        if not self.bins[g]:
+            self.load[g] += self.mb.table.latency[k]
+        self.load[g] += self.cost[k][i]
+        self.held[g] += self.shards[k][i]
+        self.bins[g].append(i)
+        heapq.heappush(self.heaps[k], (self.load[g], g))
+        heapq.heappush(self.everyone, (self.load[g], g))
+
+    def place(self, i: int) -> bool:
+        """Place sequence ``i``; ``False`` when no group can hold its tokens.
+
+        Its own degree first if that stays within the target; else the least loaded group among the sizes that
+        still have a group below the target (of its degree or larger); else among all sizes of its degree or
+        larger; failing token room there, the smaller sizes down to its memory minimum.
+        """
+        mb = self.mb
+        own = int(mb.k[i])
+        target = mb.target
+        cost = self.cost
+        if own in self.heaps:
+            g = self.least_loaded(own, i)
+            if g is not None and self.load[g] + cost[own][i] <= target:
+                self.put(g, i)
+                return True
+        if own == self.classes[0] and cost[own][i] <= target / 2:
+            self._unpark_any(i)
+            g = self._least_loaded_any(i)
+            if g is not None:
+                self.put(g, i)
+                return True
+        best = self._best(i, [k for k in self.open_classes if k >= own], prune=True)
+        if best is None or best[0] > target:
+            best = self._best(i, [k for k in self.classes if k >= own], prune=False) or best
+        if best is None:
+            best = self._best(i, [k for k in self.classes if mb.min_k[i] <= k < own], prune=False)
+        if best is None:
+            return False
+        self.put(best[1], i)
+        return True
+
+    def _least_loaded_any(self, i: int) -> int | None:
+        """Least loaded group of any size with token room for sequence ``i`` (the global heap, groups without
+        room parked until a smaller sequence comes)."""
+        heap = self.everyone
+        parked = self.everyone_parked
+        cap = self.mb.capacity
+        while heap:
+            lo, g = heap[0]
+            if lo != self.load[g]:
+                heapq.heappop(heap)
+                continue
+            need = self.shards[self.gk[g]][i]
+            if self.held[g] + need > cap:
+                heapq.heappop(heap)
+                heapq.heappush(parked, (-(cap - self.held[g]), g))
+                continue
+            return g
+        return None
+
+    def _unpark_any(self, i: int) -> None:
+        """Return parked groups with room for sequence ``i`` at its own degree to the global heap."""
+        parked = self.everyone_parked
+        need = self.shards[int(self.mb.k[i])][i]  # the largest shard it can need (at its own, smallest degree)
+        while parked and -parked[0][0] >= need:
+            _, g = heapq.heappop(parked)
+            heapq.heappush(self.everyone, (self.load[g], g))
+
+    def _best(self, i: int, classes: list[int], prune: bool) -> tuple[float, int] | None:
+        """Least resulting load for sequence ``i`` over the heap tops of ``classes`` (with token room)."""
+        best: tuple[float, int] | None = None
+        for k in classes:
+            g = self.least_loaded(k, i)
+            if g is None:
+                continue
+            if prune and self.load[g] >= self.mb.target:
+                self.open_classes.discard(k)  # loads only grow during placement: this size is full for good
+                continue
+            after = self.load[g] + self.cost[k][i]
+            if best is None or after < best[0]:
+                best = (after, g)
+        return best
+
+    def move_pass(self) -> None:
+        """Move sequences off the most loaded group while that lowers the maximum load (bounded)."""
+        mb = self.mb
+        loads = np.asarray(self.load)
+        gk = np.asarray(self.gk)
+        for _ in range(MOVE_LIMIT):
+            g = int(loads.argmax())
+            moved = False
+            for i in sorted(self.bins[g], key=lambda j: self.cost[gk[g]][j]):
+                ok = gk >= mb.k[i]
+                ok[g] = False
+                after = np.where(ok, loads + mb.cost[gk, i], np.inf)
+                h = int(after.argmin())
+                if after[h] < loads[g] - 1e-12 and self.held[h] + self.shards[gk[h]][i] <= mb.capacity:
+                    self.bins[g].remove(i)
+                    self.bins[h].append(i)
+                    loads[g] -= self.cost[gk[g]][i]
+                    loads[h] = after[h]
+                    self.held[g] -= self.shards[gk[g]][i]
+                    self.held[h] += self.shards[gk[h]][i]
+                    moved = True
+                    break
+            if not moved:
+                break
+        self.load = loads.tolist()
+
+
+def _place(req: PlanRequest, mb: _Microbatch, ids: np.ndarray) -> tuple[list[Group], list[int]]:
+    """Place one microbatch's sequences; return its groups and the sequences to spill."""
+    pl = _Placement(mb)
+    pl.open_planned()
+    spill = [int(ids[i]) for i in np.argsort(-mb.work, kind="stable").tolist() if not pl.place(i)]
+    pl.move_pass()
+    factors = mb.table.factors
+    layout = sorted(range(len(pl.gk)), key=lambda g: (-factors[pl.gk[g]][0], -mb.table.sizes[pl.gk[g]], g))
+    groups, start = [], 0
+    for g in layout:
+        d = mb.table.sizes[pl.gk[g]]
+        groups.append(req.group(start, d, [int(ids[i]) for i in pl.bins[g]]))
+        start += d
+    return req.fill_idle(groups), spill
+
+
+def _plan_split(req: PlanRequest, table: _Degrees, name: str, parts: list[np.ndarray]) -> Plan:
+    """Place every microbatch of one split; spilled sequences form further microbatches."""
+    queue = [(ids, _Microbatch(req, table, req.lengths[ids]) if ids.size else None) for ids in parts]
+    microbatches: list[list[Group]] = []
+    targets: list[float] = []
+    while queue:
+        ids, mb = queue.pop(0)
+        if mb is None:
+            microbatches.append(req.fill_idle([]))
+            continue
+        groups, spill = _place(req, mb, ids)
+        microbatches.append(groups)
+        targets.append(mb.target)
+        if spill:
+            rest = np.asarray(spill, dtype=np.int64)
+            queue.append((rest, _Microbatch(req, table, req.lengths[rest])))
+    floor = float(req.cost.useful(req.lengths.astype(np.float64)).sum()) / req.world_size
+    return req.plan(microbatches, "hydra", predicted_span=float(sum(targets)), split=name, floor=floor)
+
+
+def schedule_hydra(req: PlanRequest) -> Plan:
+    """Load-driven plan: per-microbatch closed-form targets, load-driven degrees, lazy-heap placement.
+
+    Both splits are placed and the plan with the lower predicted span (sum over microbatches of the maximum
+    rank load) is kept; ties keep the sorted split.
+    """
+    table = _Degrees(req)
+    best: tuple[float, Plan] | None = None
+    for name, split in (("sorted", split_sorted), ("snake", split_snake)):
+        plan = _plan_split(req, table, name, split(req.lengths, req.num_microbatches))
+        span = float(plan.loads(req.cost).max(axis=1).sum())
+        if best is None or span < best[0]:
+            best = (span, plan)
+    assert best is not None
+    return best[1]

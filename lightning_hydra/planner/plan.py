@@ -1,0 +1,226 @@
+"""The plan: for every microbatch, the partition of the pool into CP groups and each group's bin."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_hydra.planner.cost import CostModel
+
+__all__ = ["Group", "Plan", "PlanError"]
+
+
+class PlanError(ValueError):
+    """A plan cannot be made for this input, or a plan breaks an invariant."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks that process one bin together in one microbatch.
+
+    Members are numbered ``j = p * ulysses + i`` in the order of ``ranks``: ``i`` is the Ulysses index (inside a
+    node, varies fastest) and ``p`` the ring position. A group with no ``seq_ids`` is idle in that microbatch but
+    still takes part in every collective.
+    """
+
+    ranks: tuple[int, ...]
+    """Global ranks of the members, in member order."""
+    ulysses: int
+    """Inner (all-to-all over heads) degree."""
+    ring: int
+    """Outer (P2P ring) degree."""
+    seq_ids: tuple[int, ...] = ()
+    """Indices into the batch's lengths of the sequences this group processes; each is split over all members."""
+
+    @property
+    def degree(self) -> int:
+        """CP degree ``len(ranks)``."""
+        return len(self.ranks)
+
+    def index(self, rank: int) -> int:
+        """Member index of a global ``rank``; raises ``ValueError`` if it is not a member."""
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not a member of the group with ranks {self.ranks}") from None
+
+
+@dataclass
+class Plan:
+    """A schedule of one global batch: ``microbatches[m]`` is the list of groups of microbatch ``m``."""
+
+    lengths: tuple[int, ...]
+    """Lengths of the batch's sequences; ``Group.seq_ids`` index into it."""
+    world_size: int
+    """Ranks in the pool."""
+    ranks_per_node: int
+    """Ranks per node (Ulysses blocks must not cross a node)."""
+    microbatches: list[list[Group]]
+    """One entry per microbatch: the groups, covering every rank exactly once."""
+    policy: str = ""
+    """Name of the policy that made the plan."""
+    stats: dict[str, float | str] = field(default_factory=dict, compare=False)
+    """Diagnostics of the policy (for example the load targets); not part of the digest."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """Number of microbatches (may exceed what was asked when a policy spills)."""
+        return len(self.microbatches)
+
+    def group_of(self, microbatch: int, rank: int) -> Group:
+        """The group ``rank`` belongs to in ``microbatch``."""
+        for g in self.microbatches[microbatch]:
+            if rank in g.ranks:
+                return g
+        raise PlanError(f"rank {rank} is in no group of microbatch {microbatch}")
+
+    # ------------------------------------------------------------------ per-rank views
+    def _members(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Flat arrays over (microbatch, group, sequence): microbatch, group number, sequence, ulysses, ring."""
+        mbs, gids, seqs, us, rs = [], [], [], [], []
+        gid = 0
+        for m, groups in enumerate(self.microbatches):
+            for g in groups:
+                k = len(g.seq_ids)
+                mbs.append(np.full(k, m))
+                gids.append(np.full(k, gid))
+                seqs.append(np.asarray(g.seq_ids, dtype=np.int64))
+                us.append(np.full(k, g.ulysses))
+                rs.append(np.full(k, g.ring))
+                gid += 1
+        if not seqs:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, empty, empty
+        return tuple(np.concatenate(a).astype(np.int64) for a in (mbs, gids, seqs, us, rs))  # type: ignore[return-value]
+
+    def _spread(self, per_group: np.ndarray) -> np.ndarray:
+        """Broadcast one value per group (in :meth:`_members` numbering) to ``[num_microbatches, world_size]``."""
+        out = np.zeros((self.num_microbatches, self.world_size), dtype=per_group.dtype)
+        gid = 0
+        for m, groups in enumerate(self.microbatches):
+            for g in groups:
+                out[m, g.ranks[0] : g.ranks[0] + g.degree] = per_group[gid]
+                gid += 1
+        return out
+
+    def _num_groups(self) -> int:
+        return sum(len(groups) for groups in self.microbatches)
+
+    def loads(self, cost: CostModel) -> np.ndarray:
+        """Predicted time ``[num_microbatches, world_size]`` of every rank, communication included."""
+        _, gid, seq, u, r = self._members()
+        lengths = np.asarray(self.lengths, dtype=np.float64)
+        per_seq = cost.sequence(lengths[seq], u, r)
+        per_group = np.bincount(gid, weights=per_seq, minlength=self._num_groups())
+        latency = np.zeros(self._num_groups())
+        latency[np.unique(gid[u > 1])] = cost.a2a_latency
+        return self._spread(per_group + latency)
+
+    def tokens(self) -> np.ndarray:
+        """Tokens ``[num_microbatches, world_size]`` held per rank (zigzag shards, padding included)."""
+        _, gid, seq, u, r = self._members()
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        shard = 2 * -(-lengths[seq] // (2 * u * r))
+        return self._spread(np.bincount(gid, weights=shard, minlength=self._num_groups()).astype(np.int64))
+
+    def efficiency(self, cost: CostModel) -> float:
+        """``(useful compute / N) / sum_m max_r load[m, r]``: 1.0 means no rank waits and no overhead is exposed."""
+        loads = self.loads(cost)
+        span = float(loads.max(axis=1).sum()) if loads.size else 0.0
+        useful = float(np.sum(cost.useful(np.asarray(self.lengths, dtype=np.float64))))
+        return useful / self.world_size / span if span > 0 else 0.0
+
+    def degree_histogram(self) -> dict[int, int]:
+        """Number of sequences placed at each degree."""
+        hist: dict[int, int] = {}
+        for groups in self.microbatches:
+            for g in groups:
+                if g.seq_ids:
+                    hist[g.degree] = hist.get(g.degree, 0) + len(g.seq_ids)
+        return dict(sorted(hist.items()))
+
+    def sequence_degrees(self) -> np.ndarray:
+        """Degree each sequence was placed at, indexed like ``lengths``."""
+        out = np.zeros(len(self.lengths), dtype=np.int64)
+        for groups in self.microbatches:
+            for g in groups:
+                out[list(g.seq_ids)] = g.degree
+        return out
+
+    # ------------------------------------------------------------------ invariants
+    def check(self, lengths: Sequence[int], max_tokens_per_rank: int) -> None:
+        """Prove the plan's invariants; raise :class:`PlanError` naming the first violation.
+
+        Checked: every sequence placed exactly once (no token lost or duplicated), per-rank tokens within capacity,
+        every rank in exactly one group per microbatch, ``degree == ulysses * ring``, and groups aligned (contiguous
+        ascending ranks, every Ulysses block inside one node).
+        """
+        if tuple(int(x) for x in lengths) != tuple(self.lengths):
+            raise PlanError("the plan was made for different lengths than the batch being checked")
+        seen = np.zeros(len(self.lengths), dtype=np.int64)
+        lengths_arr = np.asarray(self.lengths, dtype=np.int64)
+        for m, groups in enumerate(self.microbatches):
+            covered = np.zeros(self.world_size, dtype=np.int64)
+            for g in groups:
+                if not g.ranks:
+                    raise PlanError(f"microbatch {m}: a group has no ranks")
+                if min(g.ranks) < 0 or max(g.ranks) >= self.world_size:
+                    raise PlanError(f"microbatch {m}: group {g.ranks} names a rank outside 0..{self.world_size - 1}")
+                covered[g.ranks[0] : g.ranks[-1] + 1] += 1
+                if g.ulysses * g.ring != g.degree or g.ulysses < 1 or g.ring < 1:
+                    raise PlanError(
+                        f"microbatch {m}: group {g.ranks} has degree {g.degree}, which is not "
+                        f"ulysses {g.ulysses} x ring {g.ring}"
+                    )
+                start = g.ranks[0]
+                if g.ranks != tuple(range(start, start + g.degree)):
+                    raise PlanError(f"microbatch {m}: misaligned group {g.ranks}: ranks are not contiguous")
+                if start % g.ulysses or self.ranks_per_node % g.ulysses:
+                    raise PlanError(
+                        f"microbatch {m}: misaligned group {g.ranks}: a Ulysses block of {g.ulysses} "
+                        f"crosses a node of {self.ranks_per_node} ranks"
+                    )
+                if g.seq_ids:
+                    ids = np.asarray(g.seq_ids, dtype=np.int64)
+                    if ids.min() < 0 or ids.max() >= len(self.lengths):
+                        raise PlanError(f"microbatch {m}: group {g.ranks} names a sequence that is not in the batch")
+                    np.add.at(seen, ids, 1)
+                    held = int((2 * -(-lengths_arr[ids] // (2 * g.degree))).sum())
+                    if held > max_tokens_per_rank:
+                        raise PlanError(
+                            f"microbatch {m}: group {g.ranks} holds {held} tokens per rank, "
+                            f"over the capacity {max_tokens_per_rank}"
+                        )
+            twice = np.flatnonzero(covered > 1)
+            if twice.size:
+                raise PlanError(f"microbatch {m}: rank {int(twice[0])} is in two groups")
+            missing = np.flatnonzero(covered == 0)
+            if missing.size:
+                raise PlanError(f"microbatch {m}: rank {int(missing[0])} is in no group")
+        lost = np.flatnonzero(seen == 0)
+        if lost.size:
+            raise PlanError(f"sequence {int(lost[0])} (length {self.lengths[lost[0]]}) was lost: it is in no group")
+        dup = np.flatnonzero(seen > 1)
+        if dup.size:
+            raise PlanError(f"sequence {int(dup[0])} was duplicated: it is in {int(seen[dup[0]])} groups")
+
+    def to_dict(self) -> dict:
+        """A JSON-able description (what the digest hashes)."""
+        return {
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "ranks_per_node": self.ranks_per_node,
+            "lengths": list(self.lengths),
+            "microbatches": [
+                [[list(g.ranks), g.ulysses, g.ring, list(g.seq_ids)] for g in groups] for groups in self.microbatches
+            ],
+        }
+
+    def digest(self) -> str:
+        """A stable hex digest: equal for equal plans across processes, runs and machines."""
+        blob = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()

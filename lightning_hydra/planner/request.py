@@ -1,0 +1,83 @@
+"""The validated input every policy receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.degrees import DegreeRules
+from lightning_hydra.planner.plan import Group, Plan, PlanError
+
+__all__ = ["PlanRequest"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """One global batch to schedule, checked once by :func:`lightning_hydra.planner.schedule`."""
+
+    lengths: np.ndarray
+    """Sequence lengths (int64, all positive)."""
+    num_microbatches: int
+    """Microbatches asked for."""
+    capacity: int
+    """Tokens one rank may hold in one microbatch."""
+    cost: CostModel
+    """Cost model used to predict loads."""
+    rules: DegreeRules
+    """Allowed degrees and their factorization."""
+    seed: int = 0
+    """Seed for any tie-breaking randomness (policies here are deterministic without it)."""
+    max_seq_len: int | None = None
+    """Longest sequence the run allows (sizes the static degree); ``None`` means the batch's longest."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the pool."""
+        return self.rules.world_size
+
+    def group(self, start: int, size: int, seq_ids: list[int] | tuple[int, ...] = ()) -> Group:
+        """A contiguous group of ``size`` ranks from ``start``, factored into Ulysses x ring."""
+        factors = self.rules.factor(size, start)
+        if factors is None:
+            raise PlanError(
+                f"degree {size} at rank {start} cannot be split into ulysses x ring "
+                f"(heads={self.rules.num_heads}, ranks_per_node={self.rules.ranks_per_node}, "
+                f"max_ring={self.rules.max_ring})"
+            )
+        return Group(tuple(range(start, start + size)), factors[0], factors[1], tuple(int(i) for i in seq_ids))
+
+    def plan(self, microbatches: list[list[Group]], policy: str, **stats: float) -> Plan:
+        """Wrap groups into a :class:`Plan` with groups sorted by first rank."""
+        ordered = [sorted(groups, key=lambda g: g.ranks[0]) for groups in microbatches]
+        return Plan(
+            lengths=tuple(int(x) for x in self.lengths),
+            world_size=self.world_size,
+            ranks_per_node=self.rules.ranks_per_node,
+            microbatches=ordered,
+            policy=policy,
+            stats=dict(stats),
+        )
+
+    def fill_idle(self, groups: list[Group]) -> list[Group]:
+        """Add idle groups (no sequences) for ranks not covered, as aligned power-of-two blocks."""
+        covered = np.zeros(self.world_size, dtype=bool)
+        for g in groups:
+            covered[list(g.ranks)] = True
+        out = list(groups)
+        rank = 0
+        while rank < self.world_size:
+            if covered[rank]:
+                rank += 1
+                continue
+            end = rank
+            while end < self.world_size and not covered[end]:
+                end += 1
+            while rank < end:
+                size = 1
+                while rank % (size * 2) == 0 and rank + size * 2 <= end and self.rules.factor(size * 2, rank):
+                    size *= 2
+                out.append(self.group(rank, size))
+                rank += size
+        return out

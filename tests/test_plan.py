@@ -1,0 +1,68 @@
+"""Plan invariants: every violation the check must name, and the digest."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_hydra.planner import CostModel, Group, Plan, PlanError
+
+
+def _plan(groups: list[list[Group]], lengths: tuple[int, ...] = (10, 20, 30), world: int = 4) -> Plan:
+    return Plan(lengths=lengths, world_size=world, ranks_per_node=4, microbatches=groups)
+
+
+def _valid() -> Plan:
+    return _plan([[Group((0, 1), 2, 1, (0, 1)), Group((2,), 1, 1, (2,)), Group((3,), 1, 1, ())]])
+
+
+def test_valid_plan_passes_and_reports_per_rank_views(cost: CostModel) -> None:
+    plan = _valid()
+    plan.check([10, 20, 30], max_tokens_per_rank=64)
+    tokens = plan.tokens()
+    assert tokens.tolist() == [[6 + 10, 6 + 10, 30, 0]]  # zigzag shards: 10 -> 2*ceil(10/4)=6, 20 -> 10
+    loads = plan.loads(cost)
+    assert loads.shape == (1, 4)
+    assert loads[0, 3] == 0.0 and loads[0, 0] == loads[0, 1] > 0
+    assert plan.degree_histogram() == {1: 1, 2: 2}
+    assert plan.sequence_degrees().tolist() == [2, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ([[Group((0, 1), 2, 1, (0,)), Group((2, 3), 2, 1, (2,))]], "lost"),
+        ([[Group((0, 1), 2, 1, (0, 1)), Group((2, 3), 2, 1, (1, 2))]], "duplicated"),
+        ([[Group((0, 1), 2, 1, (0, 1, 2)), Group((1, 2, 3), 1, 3, ())]], "two groups"),
+        ([[Group((0, 1), 2, 1, (0, 1, 2))]], "in no group"),
+        ([[Group((0, 1, 2, 3), 2, 1, (0, 1, 2))]], "not ulysses"),
+        ([[Group((0, 2), 2, 1, (0, 1, 2)), Group((1,), 1, 1, ()), Group((3,), 1, 1, ())]], "misaligned"),
+        ([[Group((1, 2), 2, 1, (0, 1, 2)), Group((0,), 1, 1, ()), Group((3,), 1, 1, ())]], "crosses a node"),
+        ([[Group((0,), 1, 1, (0, 1, 2)), Group((1, 2, 3), 1, 3, ())]], "capacity"),
+    ],
+)
+def test_check_names_each_violation(groups: list[list[Group]], message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        _plan(groups).check([10, 20, 30], max_tokens_per_rank=40)
+
+
+def test_check_rejects_other_lengths() -> None:
+    with pytest.raises(PlanError, match="different lengths"):
+        _valid().check([10, 20, 31], max_tokens_per_rank=64)
+
+
+def test_digest_is_stable_and_sensitive() -> None:
+    a, b = _valid(), _valid()
+    assert a.digest() == b.digest()
+    assert len(a.digest()) == 64
+    c = _plan([[Group((0, 1), 2, 1, (1, 0)), Group((2,), 1, 1, (2,)), Group((3,), 1, 1, ())]])
+    assert c.digest() != a.digest()
+    a.stats["anything"] = 1.0  # diagnostics are not part of the digest
+    assert a.digest() == b.digest()
+
+
+def test_group_lookup() -> None:
+    plan = _valid()
+    assert plan.group_of(0, 1).ranks == (0, 1)
+    assert plan.microbatches[0][0].index(1) == 1
+    with pytest.raises(ValueError, match="not a member"):
+        plan.microbatches[0][0].index(3)

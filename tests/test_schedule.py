@@ -1,0 +1,220 @@
+"""schedule(): invariants of all three policies, policy-specific properties, determinism and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_hydra.bench.batches import make_batch
+from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule, shard_tokens
+from lightning_hydra.planner.hydra import _Degrees, _Microbatch, split_snake, split_sorted
+from lightning_hydra.planner.request import PlanRequest
+
+POLICIES = ["hydra", "mcore", "static"]
+
+
+def _run(lengths, policy, cost, world=16, capacity=4096, microbatches=4, **kw):
+    return schedule(
+        lengths,
+        world_size=world,
+        num_microbatches=microbatches,
+        max_tokens_per_rank=capacity,
+        cost=cost,
+        policy=policy,
+        ranks_per_node=kw.pop("ranks_per_node", 8),
+        num_heads=kw.pop("num_heads", 32),
+        **kw,
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 20000), min_size=1, max_size=120),
+    policy=st.sampled_from(POLICIES),
+    world=st.sampled_from([8, 16, 24, 32]),
+)
+def test_random_batches_give_valid_plans(lengths: list[int], policy: str, world: int, cost: CostModel) -> None:
+    capacity = 4096
+    microbatches = max(1, math.ceil(sum(lengths) / (0.7 * world * capacity)))
+    plan = _run(lengths, policy, cost, world=world, capacity=capacity, microbatches=microbatches)
+    plan.check(lengths, capacity)  # schedule() checked already; prove it here too
+    assert plan.loads(cost).shape == (plan.num_microbatches, world)
+    assert plan.tokens().max() <= capacity
+    assert sorted(i for groups in plan.microbatches for g in groups for i in g.seq_ids) == list(range(len(lengths)))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("distribution", ["lognormal", "stdlib"])
+def test_long_tailed_batches_give_valid_plans(policy: str, distribution: str, cost: CostModel) -> None:
+    lengths = make_batch(
+        distribution, world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=3
+    )
+    plan = _run(lengths, policy, cost, world=64, capacity=16384, microbatches=8, max_seq_len=262144)
+    plan.check(lengths.tolist(), 16384)
+    assert 0.0 < plan.efficiency(cost) <= 1.0
+
+
+def test_mcore_min_degree_is_megatrons_formula() -> None:
+    for length, capacity in [(1, 4096), (4096, 4096), (4097, 4096), (12288, 4096), (16385, 4096), (262144, 16384)]:
+        expected = max(1, 2 ** math.ceil(math.log2(math.ceil(length / capacity))))
+        assert megatron_min_degree(length, capacity) == expected
+
+
+def test_mcore_degrees_are_powers_of_two_at_least_the_formula(cost: CostModel) -> None:
+    lengths = make_batch(
+        "lognormal", world_size=32, capacity=8192, num_microbatches=4, fill=0.75, context=131072, seed=1
+    )
+    plan = _run(lengths, "mcore", cost, world=32, capacity=8192, microbatches=4)
+    degrees = plan.sequence_degrees()
+    formula = np.array([megatron_min_degree(int(x), 8192) for x in lengths])
+    assert np.all(degrees >= formula)
+    assert all(d & (d - 1) == 0 for d in degrees.tolist())
+
+
+def test_mcore_uses_exactly_the_formula_when_every_rank_is_needed(cost: CostModel) -> None:
+    # four sequences that need 4 ranks each fill a 16-rank pool exactly: no inflation, no doubling
+    plan = _run([4 * 4096] * 4, "mcore", cost, world=16, capacity=4096, microbatches=1)
+    assert plan.sequence_degrees().tolist() == [4, 4, 4, 4]
+    assert plan.num_microbatches == 1
+
+
+def test_mcore_pushes_leftovers_into_further_microbatches(cost: CostModel) -> None:
+    lengths = [16384] * 6  # 4 ranks each at capacity 4096: only 4 fit a 16-rank microbatch by tokens
+    plan = _run(lengths, "mcore", cost, world=16, capacity=4096, microbatches=2)
+    assert plan.num_microbatches >= 2
+    plan.check(lengths, 4096)
+
+
+def test_static_uses_one_degree_sized_by_the_longest_allowed(cost: CostModel) -> None:
+    lengths = [100, 3000, 9000, 50, 7000]
+    plan = _run(lengths, "static", cost, world=16, capacity=4096, microbatches=2, max_seq_len=32768)
+    assert set(plan.sequence_degrees().tolist()) == {8}
+    assert {g.degree for groups in plan.microbatches for g in groups} == {8}
+
+
+def test_hydra_degrees_never_below_memory_minimum(cost: CostModel) -> None:
+    lengths = make_batch(
+        "lognormal", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=5
+    )
+    plan = _run(lengths, "hydra", cost, world=64, capacity=16384, microbatches=8)
+    rules = DegreeRules(world_size=64, ranks_per_node=8, num_heads=32)
+    minimum = np.array([rules.memory_min(int(x), 16384, fine=True) for x in lengths])
+    degrees = plan.sequence_degrees()
+    assert np.all(degrees >= minimum)
+    assert all(shard_tokens(int(x), int(d)) <= 16384 for x, d in zip(lengths, degrees, strict=True))
+    # load-driven: the long sequences get more ranks than memory asks for
+    assert (degrees > minimum).any()
+
+
+def _microbatch(lengths: np.ndarray, cost: CostModel, world: int = 16, capacity: int = 4096) -> _Microbatch:
+    req = PlanRequest(
+        lengths=lengths,
+        num_microbatches=1,
+        capacity=capacity,
+        cost=cost,
+        rules=DegreeRules(world_size=world, ranks_per_node=8, num_heads=32),
+    )
+    return _Microbatch(req, _Degrees(req), lengths)
+
+
+def test_hydra_target_is_the_closed_form_when_reachable(cost: CostModel) -> None:
+    lengths = np.full(64, 1000)  # 4 equal sequences per rank: perfectly divisible
+    mb = _microbatch(lengths, cost)
+    # W / N with every sequence at its memory minimum (one rank), overheads included
+    closed_form = float(cost.sequence(lengths.astype(float)).sum()) / 16
+    assert mb.floor == pytest.approx(closed_form)
+    assert mb.target == pytest.approx(closed_form)
+    plan = schedule(lengths, world_size=16, num_microbatches=1, max_tokens_per_rank=4096, cost=cost)
+    assert plan.loads(cost).max() == pytest.approx(4 * float(cost.sequence(1000)))
+
+
+def test_hydra_target_never_below_the_closed_form(cost: CostModel) -> None:
+    lengths = make_batch(
+        "lognormal", world_size=16, capacity=4096, num_microbatches=1, fill=0.75, context=32768, seed=2
+    )
+    mb = _microbatch(lengths, cost)
+    assert mb.target >= mb.floor
+    assert mb.ranks_needed(mb.target) <= 16
+
+
+def test_splits_partition_the_batch() -> None:
+    lengths = np.random.default_rng(0).integers(1, 5000, 301)
+    for parts in (split_sorted(lengths, 7), split_snake(lengths, 7)):
+        assert len(parts) == 7
+        assert sorted(np.concatenate(parts).tolist()) == list(range(301))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_deterministic_digest_within_process(policy: str, cost: CostModel) -> None:
+    lengths = make_batch("stdlib", world_size=16, capacity=8192, num_microbatches=4, fill=0.75, context=65536, seed=7)
+    a = _run(lengths, policy, cost, world=16, capacity=8192)
+    b = _run(lengths.copy(), policy, cost, world=16, capacity=8192)
+    assert a.digest() == b.digest()
+
+
+_CHILD = """
+import json, sys
+from lightning_hydra.bench.batches import make_batch
+from lightning_hydra.planner import CostModel, schedule
+cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
+lengths = make_batch("lognormal", world_size=32, capacity=8192, num_microbatches=4, fill=0.75, context=131072, seed=11)
+out = {}
+for policy in ("hydra", "mcore", "static"):
+    out[policy] = schedule(lengths, world_size=32, num_microbatches=4, max_tokens_per_rank=8192, cost=cost,
+                           policy=policy, num_heads=32).digest()
+print(json.dumps(out))
+"""
+
+
+def test_digests_equal_across_processes() -> None:
+    runs = [
+        subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, check=True) for _ in range(2)
+    ]
+    first, second = (json.loads(r.stdout) for r in runs)
+    assert first == second
+    namespace: dict = {}
+    exec(_CHILD.replace("print(json.dumps(out))", ""), namespace)
+    assert namespace["out"] == first
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lengths": []}, ValueError, "empty"),
+        ({"lengths": [10, 0, 5]}, ValueError, "positive"),
+        ({"lengths": [10, -3]}, ValueError, "positive"),
+        ({"lengths": [10.5]}, ValueError, "integers"),
+        ({"lengths": [16 * 4096 + 1]}, PlanError, "cannot fit"),
+        ({"world_size": 12}, ValueError, "multiple of ranks_per_node"),
+        ({"world_size": 3}, ValueError, "divide ranks_per_node"),
+        ({"num_heads": 3, "num_kv_heads": 1, "max_ring": 2, "lengths": [4 * 4096]}, PlanError, "cannot fit"),
+        ({"num_heads": 0}, ValueError, "num_heads"),
+        ({"num_kv_heads": 3}, ValueError, "num_kv_heads"),
+        ({"num_microbatches": 0}, ValueError, "at least 1"),
+        ({"num_microbatches": 1, "lengths": [4000] * 17}, PlanError, "infeasible num_microbatches"),
+        ({"policy": "greedy"}, ValueError, "unknown policy"),
+        ({"max_tokens_per_rank": 0}, ValueError, "positive"),
+    ],
+)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bad_input_gets_a_clear_error(kwargs: dict, error: type, match: str, policy: str, cost: CostModel) -> None:
+    args = {
+        "lengths": [100, 2000],
+        "world_size": 16,
+        "num_microbatches": 2,
+        "max_tokens_per_rank": 4096,
+        "policy": policy,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+    }
+    args.update(kwargs)
+    lengths = args.pop("lengths")
+    with pytest.raises(error, match=match):
+        schedule(lengths, cost=cost, **args)
