@@ -6,11 +6,18 @@ fields so that calibration (a later refit from measured times) can hand new valu
 Per sequence of length ``L`` on a group of degree ``d = u * r`` (DESIGN.md section 3)::
 
     compute(L, d) = (attn * L**2 + linear * L) / d + seq_overhead
-    ulysses(L, d, u) = a2a_latency + a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_bw      (if u > 1)
-    ring(L, d, u, r) = sum over r - 1 steps of max(0, step_comm - step_attn) + p2p_latency          (if r > 1)
+    a2a(L, d, u)  = a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_bw                         (if u > 1)
+    step_comm     = ring_bytes_per_token * (L / r) / u / inter_bw     one KV block hop, fwd + bwd
+    step_attn     = attn * L**2 / (d * r)                             the attention one hop can hide behind
 
-where ``step_comm = ring_bytes_per_token * (L / r) / u / inter_bw`` is one KV block hop (forward and backward
-together) and ``step_attn`` the attention compute of one block that it can hide behind.
+A *bin* (the sequences one group processes together) moves all its KV blocks in one batched transfer per ring
+step and computes all their attention while it travels, so exposure and latencies are per bin::
+
+    bin(Ls, u, r) = sum(compute + a2a) + [u > 1] a2a_latency
+                    + [r > 1] (r - 1) * (max(0, sum(step_comm) - sum(step_attn)) + p2p_latency)
+
+A short sequence sharing a ring group with a long one therefore hides its KV transfer behind the long one's
+attention, while a bin of short sequences alone exposes its ring traffic.
 """
 
 from __future__ import annotations
@@ -141,56 +148,74 @@ class CostModel:
         """Per-rank compute of a sequence split over ``degree`` ranks, per-sequence overhead included."""
         return self.useful(length) / np.asarray(degree, dtype=np.float64) + self.seq_overhead
 
-    def comm(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
-        """Exposed per-rank CP communication of a sequence on a group of ``ulysses * ring`` ranks."""
+    def a2a(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Per-rank Ulysses all-to-all time of a sequence (bandwidth only; the latency is per bin)."""
+        length = np.asarray(length, dtype=np.float64)
+        u = np.asarray(ulysses, dtype=np.float64)
+        d = u * np.asarray(ring, dtype=np.float64)
+        return np.where(u > 1, self.a2a_bytes_per_token * (length / d) * (u - 1) / u / self.intra_node_bandwidth, 0.0)
+
+    def ring_steps(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> tuple[ArrayLike, ArrayLike]:
+        """``(r - 1) * step_comm`` and ``(r - 1) * step_attn`` of a sequence: its ring traffic and the attention
+        that traffic can hide behind, summed over the ring's steps (zero without a ring)."""
         length = np.asarray(length, dtype=np.float64)
         u = np.asarray(ulysses, dtype=np.float64)
         r = np.asarray(ring, dtype=np.float64)
-        d = u * r
-        a2a = np.where(u > 1, self.a2a_bytes_per_token * (length / d) * (u - 1) / u / self.intra_node_bandwidth, 0.0)
-        # One ring step moves one super-chunk block of L / r tokens for H / u heads; it can hide behind the
-        # attention compute of one block (a 1 / r**2 share of the sequence's attention on this rank's heads).
-        step_comm = self.ring_bytes_per_token * (length / r) / u / self.inter_node_bandwidth
-        step_attn = self.attn * length * length / (d * r)
-        ring_time = np.where(r > 1, (r - 1) * (np.maximum(step_comm - step_attn, 0.0) + self.p2p_latency), 0.0)
-        return a2a + ring_time
+        steps = np.maximum(r - 1, 0.0)
+        comm = steps * self.ring_bytes_per_token * (length / r) / u / self.inter_node_bandwidth
+        attn = steps * self.attn * length * length / (u * r * r)
+        return comm, attn
+
+    def latency(self, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Fixed per-bin time of the collectives: the all-to-all latency and one P2P latency per ring step."""
+        u = np.asarray(ulysses, dtype=np.float64)
+        r = np.asarray(ring, dtype=np.float64)
+        return np.where(u > 1, self.a2a_latency, 0.0) + np.maximum(r - 1, 0.0) * self.p2p_latency
+
+    def comm(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Exposed per-rank CP communication of a sequence that has its group to itself (latencies included)."""
+        step_comm, step_attn = self.ring_steps(length, ulysses, ring)
+        return self.a2a(length, ulysses, ring) + np.maximum(step_comm - step_attn, 0.0) + self.latency(ulysses, ring)
 
     def sequence(self, length: ArrayLike, ulysses: ArrayLike = 1, ring: ArrayLike = 1) -> ArrayLike:
-        """Per-rank time of one sequence at degree ``ulysses * ring``: compute plus exposed communication."""
+        """Per-rank time of one sequence alone on a group of ``ulysses * ring`` ranks: compute plus exposed
+        communication."""
         u = np.asarray(ulysses, dtype=np.float64)
         r = np.asarray(ring, dtype=np.float64)
         return self.compute(length, u * r) + self.comm(length, u, r)
 
-    def table(self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> np.ndarray:
-        """:meth:`sequence` for every pair of degree ``(ulysses[k], ring[k])`` and length ``lengths[i]``: ``[K, n]``.
-
-        Same values as the broadcast call, built from per-degree coefficients with few temporaries (the planner
-        calls this on thousands of sequences).
-        """
+    def parts(
+        self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Additive parts of bin time for every degree ``k`` and length ``i``: ``[K, n]`` arrays of
+        ``compute + a2a``, ring traffic and hideable attention (see :meth:`bin_time`)."""
         lens = np.asarray(lengths, dtype=np.float64)[None, :]
         u = np.asarray(ulysses, dtype=np.float64)[:, None]
         r = np.asarray(ring, dtype=np.float64)[:, None]
         d = u * r
-        per_token = self.linear / d + np.where(
-            u > 1, self.a2a_bytes_per_token * (u - 1) / u / d / self.intra_node_bandwidth, 0.0
-        )
-        out = lens * (per_token + self.attn / d * lens) + self.seq_overhead
-        ringed = np.flatnonzero(r[:, 0] > 1)
-        if ringed.size:
-            rr, uu, dd = r[ringed], u[ringed], d[ringed]
-            step_comm = self.ring_bytes_per_token / (rr * uu) / self.inter_node_bandwidth
-            step_attn = self.attn / (dd * rr)
-            exposed = np.maximum(lens * (step_comm - step_attn * lens), 0.0)
-            out[ringed] += (rr - 1) * (exposed + self.p2p_latency)
-        return out
+        a2a = np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / self.intra_node_bandwidth, 0.0)
+        base = lens * ((self.linear + a2a) / d + self.attn / d * lens) + self.seq_overhead
+        steps = np.maximum(r - 1, 0.0)
+        comm = lens * (steps * self.ring_bytes_per_token / (r * u) / self.inter_node_bandwidth)
+        attn = lens * lens * (steps * self.attn / (u * r * r))
+        return base, comm, attn
+
+    def table(self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> np.ndarray:
+        """:meth:`sequence` for every degree ``(ulysses[k], ring[k])`` and length ``lengths[i]``: ``[K, n]``."""
+        base, comm, attn = self.parts(lengths, ulysses, ring)
+        lat = self.latency(np.asarray(ulysses), np.asarray(ring))[:, None]
+        return base + np.maximum(comm - attn, 0.0) + lat
 
     def bin_time(self, lengths: ArrayLike, ulysses: int = 1, ring: int = 1) -> float:
         """Predicted time of one rank of a group that processes ``lengths`` together at ``ulysses * ring``.
 
-        The Ulysses latency is paid once per bin, not once per sequence; everything else adds up.
+        Compute and all-to-all volume add up; the ring's traffic is exposed only where the bin's total traffic
+        exceeds the bin's total attention, and latencies are paid once per bin.
         """
         lengths = np.asarray(lengths, dtype=np.float64)
         if lengths.size == 0:
             return 0.0
-        total = float(np.sum(self.sequence(lengths, ulysses, ring)))
-        return total + (self.a2a_latency if ulysses > 1 else 0.0)
+        base = self.compute(lengths, ulysses * ring) + self.a2a(lengths, ulysses, ring)
+        step_comm, step_attn = self.ring_steps(lengths, ulysses, ring)
+        exposed = max(0.0, float(np.sum(step_comm)) - float(np.sum(step_attn)))
+        return float(np.sum(base)) + exposed + float(self.latency(ulysses, ring))

@@ -93,7 +93,6 @@ class _Degrees:
         self.factors = [req.rules.factor(d) for d in self.sizes]
         self.u = np.asarray([u for u, _ in self.factors], dtype=np.float64)
         self.r = np.asarray([r for _, r in self.factors], dtype=np.float64)
-        self.latency = [req.cost.a2a_latency if u > 1 else 0.0 for u, _ in self.factors]
 
 
 class _Microbatch:
@@ -117,8 +116,11 @@ class _Microbatch:
         usable = fits_top & (top <= float(req.cost.useful(lens).sum()) / req.world_size)
         last = int(np.argmax(usable)) if usable.any() else int(np.argmin(np.where(fits_top, top, np.inf)))
         self.rows = last + 1
-        # cost[k, i]: per-rank time of sequence i at degree k; shards[k, i]: its tokens per rank there
-        self.cost = req.cost.table(lens, table.u[: self.rows], table.r[: self.rows])
+        # cost[k, i]: per-rank time of sequence i alone at degree k; base/ring_comm/ring_attn: the additive parts
+        # a bin sums (see CostModel.bin_time); shards[k, i]: its tokens per rank there
+        self.base, self.ring_comm, self.ring_attn = req.cost.parts(lens, table.u[: self.rows], table.r[: self.rows])
+        self.bin_latency = req.cost.latency(table.u[: self.rows], table.r[: self.rows]).tolist()
+        self.cost = self.base + np.maximum(self.ring_comm - self.ring_attn, 0.0) + np.asarray(self.bin_latency)[:, None]
         self.shards = 2 * -(-lengths[None, :] // (2 * deg[: self.rows, None]))
         self.deg = deg[: self.rows]
         self.min_k = np.argmax(self.shards <= req.capacity, axis=0)
@@ -159,21 +161,30 @@ class _Microbatch:
             return None
         deg = self.deg
         if float((self.shards[k, cols] * deg[k]).sum()) > self.capacity * self.world_size:
-            return None
+            return None  # tokens are checked per degree below, and pool-wide here
         n = deg.size
         big = cost > target / 2
-        groups = np.bincount(k[big], minlength=n).astype(np.float64)
-        slack = np.bincount(k[big], weights=(target - cost[big]) * deg[k[big]], minlength=n)
-        fluid = np.bincount(k[~big], weights=cost[~big] * deg[k[~big]], minlength=n)
-        carried = 0.0
-        for j in np.flatnonzero((slack > 0) | (fluid > 0))[::-1].tolist():
-            carried += slack[j]
-            if fluid[j] <= 0:
+        tokens = self.shards[k, cols] * deg[k]  # tokens a sequence occupies in its group, all members together
+        kb, kf = k[big], k[~big]
+        groups = np.bincount(kb, minlength=n).astype(np.float64)
+        slack_work = np.bincount(kb, weights=(target - cost[big]) * deg[kb], minlength=n)
+        slack_tokens = np.bincount(kb, weights=self.capacity * deg[kb] - tokens[big], minlength=n)
+        fluid_work = np.bincount(kf, weights=cost[~big] * deg[kf], minlength=n)
+        fluid_tokens = np.bincount(kf, weights=tokens[~big], minlength=n)
+        work, room = 0.0, 0.0  # slack carried down from larger degrees (a sequence never joins a smaller group)
+        for j in np.flatnonzero((slack_work > 0) | (fluid_work > 0))[::-1].tolist():
+            work += slack_work[j]
+            room += slack_tokens[j]
+            if fluid_work[j] <= 0:
                 continue
-            used = min(carried, fluid[j])
-            extra = np.ceil((fluid[j] - used) / (target * deg[j]) - 1e-9)
+            share = min(1.0, work / fluid_work[j], room / max(fluid_tokens[j], 1.0))
+            rest_work, rest_tokens = (1 - share) * fluid_work[j], (1 - share) * fluid_tokens[j]
+            extra = max(
+                np.ceil(rest_work / (target * deg[j]) - 1e-9), np.ceil(rest_tokens / (self.capacity * deg[j]) - 1e-9)
+            )
             groups[j] += extra
-            carried += extra * target * deg[j] - fluid[j]
+            work += extra * target * deg[j] - fluid_work[j]
+            room += extra * self.capacity * deg[j] - fluid_tokens[j]
         return groups
 
     def ranks_needed(self, target: float) -> float:
@@ -217,7 +228,11 @@ class _Placement:
         self.everyone: list[tuple[float, int]] = []  # min-heap of all groups by load (for small sequences)
         self.everyone_parked: list[tuple[int, int]] = []  # max-heap of (-room, group) without room
         self.cost = mb.cost.tolist()
+        self.base = mb.base.tolist()
+        self.net = (mb.ring_comm - mb.ring_attn).tolist()  # ring traffic minus the attention that can hide it
         self.shards = mb.shards.tolist()
+        self.base_sum: list[float] = []
+        self.net_sum: list[float] = []
 
     def open_planned(self) -> None:
         """Open the groups the target search counted; give leftover ranks to the degrees loaded the most."""
@@ -243,6 +258,8 @@ class _Placement:
                 g = len(self.gk)
                 self.gk.append(k)
                 self.load.append(0.0)
+                self.base_sum.append(0.0)
+                self.net_sum.append(0.0)
                 self.held.append(0)
                 self.bins.append([])
                 self.heaps.setdefault(k, []).append((0.0, g))
@@ -270,12 +287,18 @@ class _Placement:
                 return g
         return None
 
+    def after(self, g: int, i: int) -> float:
+        """Load of group ``g`` if sequence ``i`` joins it (bin time: its ring traffic may hide behind others')."""
+        k = self.gk[g]
+        net = self.net_sum[g] + self.net[k][i]
+        return self.base_sum[g] + self.base[k][i] + (net if net > 0.0 else 0.0) + self.mb.bin_latency[k]
+
     def put(self, g: int, i: int) -> None:
         """Add sequence ``i`` to group ``g`` and push the group's new load."""
         k = self.gk[g]
-        if not self.bins[g]:
-            self.load[g] += self.mb.table.latency[k]
-        self.load[g] += self.cost[k][i]
+        self.load[g] = self.after(g, i)
+        self.base_sum[g] += self.base[k][i]
+        self.net_sum[g] += self.net[k][i]
         self.held[g] += self.shards[k][i]
         self.bins[g].append(i)
         heapq.heappush(self.heaps[k], (self.load[g], g))
@@ -294,7 +317,7 @@ class _Placement:
         cost = self.cost
         if own in self.heaps:
             g = self.least_loaded(own, i)
-            if g is not None and self.load[g] + cost[own][i] <= target:
+            if g is not None and self.after(g, i) <= target:
                 self.put(g, i)
                 return True
         if own == self.classes[0] and cost[own][i] <= target / 2:
@@ -350,7 +373,7 @@ class _Placement:
             if prune and self.load[g] >= self.mb.target:
                 self.open_classes.discard(k)  # loads only grow during placement: this size is full for good
                 continue
-            after = self.load[g] + self.cost[k][i]
+            after = self.after(g, i)
             if best is None or after < best[0]:
                 best = (after, g)
         return best
@@ -358,76 +381,96 @@ class _Placement:
     def move_pass(self) -> None:
         """Move sequences off the most loaded group while that lowers the maximum load (bounded)."""
         mb = self.mb
-        loads = np.asarray(self.load)
         gk = np.asarray(self.gk)
+        loads = np.asarray(self.load)
+        base_sum = np.asarray(self.base_sum)
+        net_sum = np.asarray(self.net_sum)
+        held = np.asarray(self.held)
+        lat = np.asarray(mb.bin_latency)[gk]
         for _ in range(MOVE_LIMIT):
             g = int(loads.argmax())
             moved = False
             for i in sorted(self.bins[g], key=lambda j: self.cost[gk[g]][j]):
-                ok = gk >= mb.k[i]
-                ok[g] = False
-                after = np.where(ok, loads + mb.cost[gk, i], np.inf)
+                after = base_sum + mb.base[gk, i] + np.maximum(net_sum + (mb.ring_comm - mb.ring_attn)[gk, i], 0) + lat
+                after[(gk < mb.k[i]) | (held + mb.shards[gk, i] > mb.capacity)] = np.inf
+                after[g] = np.inf
                 h = int(after.argmin())
-                if after[h] < loads[g] - 1e-12 and self.held[h] + self.shards[gk[h]][i] <= mb.capacity:
-                    self.bins[g].remove(i)
-                    self.bins[h].append(i)
-                    loads[g] -= self.cost[gk[g]][i]
-                    loads[h] = after[h]
-                    self.held[g] -= self.shards[gk[g]][i]
-                    self.held[h] += self.shards[gk[h]][i]
-                    moved = True
-                    break
+                if after[h] >= loads[g] - 1e-12:
+                    continue
+                k, kh = int(gk[g]), int(gk[h])
+                self.bins[g].remove(i)
+                self.bins[h].append(i)
+                base_sum[g] -= self.base[k][i]
+                net_sum[g] -= self.net[k][i]
+                held[g] -= self.shards[k][i]
+                loads[g] = base_sum[g] + max(net_sum[g], 0.0) + lat[g] if self.bins[g] else 0.0
+                base_sum[h] += self.base[kh][i]
+                net_sum[h] += self.net[kh][i]
+                held[h] += self.shards[kh][i]
+                loads[h] = after[h]
+                moved = True
+                break
             if not moved:
                 break
-        self.load = loads.tolist()
+        self.load, self.base_sum, self.net_sum, self.held = (
+            loads.tolist(),
+            base_sum.tolist(),
+            net_sum.tolist(),
+            held.tolist(),
+        )
 
 
 def _place(req: PlanRequest, mb: _Microbatch, ids: np.ndarray) -> tuple[list[Group], list[int]]:
-    """Place one microbatch's sequences; return its groups and the sequences to spill."""
+    """Place one microbatch's sequences; return its groups (covering the pool) and the sequences to spill."""
     pl = _Placement(mb)
     pl.open_planned()
     spill = [int(ids[i]) for i in np.argsort(-mb.work, kind="stable").tolist() if not pl.place(i)]
     pl.move_pass()
-    factors = mb.table.factors
-    layout = sorted(range(len(pl.gk)), key=lambda g: (-factors[pl.gk[g]][0], -mb.table.sizes[pl.gk[g]], g))
+    factors, sizes = mb.table.factors, mb.table.sizes
+    # Largest Ulysses degree first, then largest size: every start is a multiple of its Ulysses degree (sizes of
+    # one Ulysses degree are multiples of it), so Ulysses blocks never cross a node.
+    layout = sorted(range(len(pl.gk)), key=lambda g: (-factors[pl.gk[g]][0], -sizes[pl.gk[g]], g))
     groups, start = [], 0
+    ids_list = ids.tolist()
     for g in layout:
-        d = mb.table.sizes[pl.gk[g]]
-        groups.append(req.group(start, d, [int(ids[i]) for i in pl.bins[g]]))
+        k = pl.gk[g]
+        d = sizes[k]
+        u, r = factors[k]
+        groups.append(Group(tuple(range(start, start + d)), u, r, tuple(ids_list[i] for i in pl.bins[g])))
         start += d
-    return req.fill_idle(groups), spill
+    return groups, spill
 
 
-def _plan_split(req: PlanRequest, table: _Degrees, name: str, parts: list[np.ndarray]) -> Plan:
+def _plan_split(req: PlanRequest, table: _Degrees, name: str, parts: list[tuple[np.ndarray, _Microbatch]]) -> Plan:
     """Place every microbatch of one split; spilled sequences form further microbatches."""
-    queue = [(ids, _Microbatch(req, table, req.lengths[ids]) if ids.size else None) for ids in parts]
+    queue = list(parts)
     microbatches: list[list[Group]] = []
     targets: list[float] = []
     while queue:
         ids, mb = queue.pop(0)
-        if mb is None:
-            microbatches.append(req.fill_idle([]))
-            continue
         groups, spill = _place(req, mb, ids)
         microbatches.append(groups)
         targets.append(mb.target)
         if spill:
             rest = np.asarray(spill, dtype=np.int64)
             queue.append((rest, _Microbatch(req, table, req.lengths[rest])))
-    floor = float(req.cost.useful(req.lengths.astype(np.float64)).sum()) / req.world_size
-    return req.plan(microbatches, "hydra", predicted_span=float(sum(targets)), split=name, floor=floor)
+    return req.plan(microbatches, "hydra", predicted_span=float(sum(targets)), split=name)
 
 
 def schedule_hydra(req: PlanRequest) -> Plan:
     """Load-driven plan: per-microbatch closed-form targets, load-driven degrees, lazy-heap placement.
 
     Both splits are placed and the plan with the lower predicted span (sum over microbatches of the maximum
-    rank load) is kept; ties keep the sorted split.
+    rank load) is kept; ties keep the sorted split. An empty microbatch (fewer sequences than microbatches) is a
+    microbatch of idle ranks.
     """
     table = _Degrees(req)
     best: tuple[float, Plan] | None = None
     for name, split in (("sorted", split_sorted), ("snake", split_snake)):
-        plan = _plan_split(req, table, name, split(req.lengths, req.num_microbatches))
+        parts = split(req.lengths, req.num_microbatches)
+        filled = [(ids, _Microbatch(req, table, req.lengths[ids])) for ids in parts if ids.size]
+        plan = _plan_split(req, table, name, filled)
+        plan.microbatches += [req.fill_idle([]) for ids in parts if not ids.size]
         span = float(plan.loads(req.cost).max(axis=1).sum())
         if best is None or span < best[0]:
             best = (span, plan)

@@ -111,14 +111,17 @@ class Plan:
         return sum(len(groups) for groups in self.microbatches)
 
     def loads(self, cost: CostModel) -> np.ndarray:
-        """Predicted time ``[num_microbatches, world_size]`` of every rank, communication included."""
+        """Predicted time ``[num_microbatches, world_size]`` of every rank (:meth:`CostModel.bin_time` of its bin)."""
         _, gid, seq, u, r = self._members()
-        lengths = np.asarray(self.lengths, dtype=np.float64)
-        per_seq = cost.sequence(lengths[seq], u, r)
-        per_group = np.bincount(gid, weights=per_seq, minlength=self._num_groups())
-        latency = np.zeros(self._num_groups())
-        latency[np.unique(gid[u > 1])] = cost.a2a_latency
-        return self._spread(per_group + latency)
+        lengths = np.asarray(self.lengths, dtype=np.float64)[seq]
+        n = self._num_groups()
+        base = np.bincount(gid, weights=cost.compute(lengths, u * r) + cost.a2a(lengths, u, r), minlength=n)
+        step_comm, step_attn = cost.ring_steps(lengths, u, r)
+        exposed = np.maximum(np.bincount(gid, weights=step_comm - step_attn, minlength=n), 0.0)
+        fixed = np.zeros(n)
+        first = np.unique(gid, return_index=True)[1]
+        fixed[gid[first]] = cost.latency(u[first], r[first])
+        return self._spread(base + exposed + fixed)
 
     def tokens(self) -> np.ndarray:
         """Tokens ``[num_microbatches, world_size]`` held per rank (zigzag shards, padding included)."""
