@@ -1,0 +1,22 @@
+"""The CP engine: Ulysses (inner, all-to-all over heads) nested in a ring (outer, P2P), for packed
+variable-length bins in the zigzag layout, forward and backward."""
+
+from lightning_hydra.cp.attention import hydra_attn_func, kv_replication
+from lightning_hydra.cp.groups import BufferPool, CPGroup, GroupCache
+from lightning_hydra.cp.kernels import AttentionKernel, available_kernels, select_kernel
+from lightning_hydra.cp.layout import ZigzagMeta, zigzag_positions, zigzag_shard, zigzag_unshard
+
+__all__ = [
+    "AttentionKernel",
+    "BufferPool",
+    "CPGroup",
+    "GroupCache",
+    "ZigzagMeta",
+    "available_kernels",
+    "hydra_attn_func",
+    "kv_replication",
+    "select_kernel",
+    "zigzag_positions",
+    "zigzag_shard",
+    "zigzag_unshard",
+]

@@ -1,0 +1,76 @@
+"""Run a function on N real processes (gloo on CPU), collect each rank's result, fail on a hang."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result: Any = ("ok", fn(rank, world, *args))
+    except BaseException as exc:  # report to the parent instead of hanging the others
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    if result[0] == "ok":
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; return the per-rank results.
+
+    Raises:
+        AssertionError: A rank raised (its traceback is included) or the run exceeded ``timeout`` seconds.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker, args=(world, _free_port(), out_dir, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if ctx.join(timeout=1.0):
+                    break
+            except mp.ProcessRaisedException as exc:
+                raise AssertionError(str(exc)) from None
+            except mp.ProcessExitedException as exc:
+                errors = _read(out_dir, world)
+                raise AssertionError(f"a rank died: {exc}; reports: {errors}") from None
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                reports = [res for res in _read(out_dir, world) if res is not None and res[0] != "ok"]
+                raise AssertionError(f"distributed run of {world} ranks timed out after {timeout} s; {reports}")
+        results = _read(out_dir, world)
+    failures = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res is None or res[0] != "ok"]
+    assert not failures, "\n".join(failures)
+    return [res[1] for res in results]
+
+
+def _read(out_dir: str, world: int) -> list[Any]:
+    out = []
+    for r in range(world):
+        path = Path(out_dir, f"{r}.pkl")
+        out.append(pickle.loads(path.read_bytes()) if path.exists() else None)
+    return out
