@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning_hydra.cp import GroupCache, hydra_attn_func, zigzag_shard, zigzag_unshard
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_positions, zigzag_source_index
 from lightning_hydra.planner import Group
-from tests.distributed import run_world
+from lightning_hydra.testing import run_world
 
 LENGTHS = [37, 5, 64, 2, 19]  # not multiples of 2d; two shorter than 2d for d >= 4
 

@@ -27,7 +27,8 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class AttentionKernel(Protocol):
-    """Variable-length attention over packed ``[tokens, heads, dim]`` tensors with per-sequence boundaries."""
+    """Variable-length attention over packed *head-major* ``[heads, tokens, dim]`` tensors with per-sequence
+    boundaries (head-major is what the CPU op reads fastest; the flash kernel transposes)."""
 
     name: str
 
@@ -44,8 +45,8 @@ class AttentionKernel(Protocol):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(out [tq, H, D] float32, lse [H, tq] float32)``; sequence ``i`` is ``q[cu_q[i]:cu_q[i+1]]``
-        against ``k[cu_k[i]:cu_k[i+1]]``; causal masks are top-left aligned and only used with equal lengths."""
+        """Return ``(out [H, tq, D] float32, lse [H, tq] float32)``; sequence ``i`` is ``q[:, cu_q[i]:cu_q[i+1]]``
+        against ``k[:, cu_k[i]:cu_k[i+1]]``; causal masks are top-left aligned and only used with equal lengths."""
 
     def backward(
         self,
@@ -75,27 +76,31 @@ class CpuFlashKernel:
 
     def forward(self, q, k, v, cu_q, cu_k, causal, scale):
         """See :meth:`AttentionKernel.forward`."""
-        tq, heads = q.shape[0], q.shape[1]
-        out = torch.zeros((tq, heads, v.shape[-1]), dtype=torch.float32, device=q.device)
+        heads, tq = q.shape[0], q.shape[1]
+        if len(cu_q) == 2 and cu_q[1] == tq and cu_k[1] == k.shape[1] and tq and k.shape[1]:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale
+            )
+            return o[0].float(), lse[0]
+        out = torch.zeros((heads, tq, v.shape[-1]), dtype=torch.float32, device=q.device)
         lse = torch.full((heads, tq), float("-inf"), dtype=torch.float32, device=q.device)
         for i in range(len(cu_q) - 1):
             q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
             if q1 == q0 or k1 == k0:
                 continue  # no visible key: out 0, lse -inf (the op would return lse 0 here)
             o, lse_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[q0:q1].transpose(0, 1).unsqueeze(0),
-                k[k0:k1].transpose(0, 1).unsqueeze(0),
-                v[k0:k1].transpose(0, 1).unsqueeze(0),
-                0.0,
-                causal,
-                scale=scale,
+                q[:, q0:q1].unsqueeze(0), k[:, k0:k1].unsqueeze(0), v[:, k0:k1].unsqueeze(0), 0.0, causal, scale=scale
             )
-            out[q0:q1] = o[0].transpose(0, 1)
+            out[:, q0:q1] = o[0]
             lse[:, q0:q1] = lse_i[0]
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
         """See :meth:`AttentionKernel.backward`."""
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        if len(cu_q) == 2 and cu_q[1] == q.shape[1] and cu_k[1] == k.shape[1] and q.shape[1] and k.shape[1]:
+            g = op(*(x.unsqueeze(0) for x in (dout, q, k, v, out, lse)), 0.0, causal, scale=scale)
+            return g[0][0].float(), g[1][0].float(), g[2][0].float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -103,20 +108,20 @@ class CpuFlashKernel:
             q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
             if q1 == q0 or k1 == k0:
                 continue
-            g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout[q0:q1].transpose(0, 1).unsqueeze(0),
-                q[q0:q1].transpose(0, 1).unsqueeze(0),
-                k[k0:k1].transpose(0, 1).unsqueeze(0),
-                v[k0:k1].transpose(0, 1).unsqueeze(0),
-                out[q0:q1].transpose(0, 1).unsqueeze(0),
+            g = op(
+                dout[:, q0:q1].unsqueeze(0),
+                q[:, q0:q1].unsqueeze(0),
+                k[:, k0:k1].unsqueeze(0),
+                v[:, k0:k1].unsqueeze(0),
+                out[:, q0:q1].unsqueeze(0),
                 lse[:, q0:q1].unsqueeze(0).contiguous(),
                 0.0,
                 causal,
                 scale=scale,
             )
-            dq[q0:q1] = g[0][0].transpose(0, 1)
-            dk[k0:k1] = g[1][0].transpose(0, 1)
-            dv[k0:k1] = g[2][0].transpose(0, 1)
+            dq[:, q0:q1] = g[0][0]
+            dk[:, k0:k1] = g[1][0]
+            dv[:, k0:k1] = g[2][0]
         return dq, dk, dv
 
 
@@ -144,6 +149,7 @@ class FlashAttnKernel:
         """See :meth:`AttentionKernel.forward`."""
         cq, mq = self._cu(cu_q, q.device)
         ck, mk = self._cu(cu_k, q.device)
+        q, k, v = (x.transpose(0, 1).contiguous() for x in (q, k, v))  # flash-attn reads [tokens, heads, dim]
         out, lse, _ = self._api.flash_attn_varlen_func(
             q, k, v, cq, ck, mq, mk, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
         )
@@ -155,12 +161,13 @@ class FlashAttnKernel:
         for i in empty:
             out[cu_q[i] : cu_q[i + 1]] = 0
             lse[:, cu_q[i] : cu_q[i + 1]] = float("-inf")
-        return out.float(), lse
+        return out.float().transpose(0, 1), lse
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
         """See :meth:`AttentionKernel.backward`."""
         cq, mq = self._cu(cu_q, q.device)
         ck, mk = self._cu(cu_k, q.device)
+        dout, q, k, v, out = (x.transpose(0, 1).contiguous() for x in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._api._flash_attn_varlen_backward(
             dout.contiguous(),
@@ -186,7 +193,7 @@ class FlashAttnKernel:
             deterministic=False,
             rng_state=None,
         )
-        return dq.float(), dk.float(), dv.float()
+        return dq.float().transpose(0, 1), dk.float().transpose(0, 1), dv.float().transpose(0, 1)
 
 
 def available_kernels() -> list[str]:

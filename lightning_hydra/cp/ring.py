@@ -88,27 +88,31 @@ class RingLayout:
         return _Step(None, _rows(offsets, valid), _cumsum(full), _cumsum(valid), False)
 
 
-def _select(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
-    return x if rows is None else x.index_select(dim, rows)
+def _select(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Token rows of a head-major tensor (dim 1)."""
+    return x if rows is None else x.index_select(1, rows)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor) -> None:
-    """Fold a partial ``(o, lo)`` into the accumulators at ``rows``: ``lse = max + log1p(exp(min - max))``."""
+    """Fold a partial ``(o, lo)`` into the accumulators at ``rows``: ``lse = max + log1p(exp(min - max))``.
+
+    Head-major: ``out [H, t, D]``, ``lse [H, t]``.
+    """
     old_o = _select(out, rows)
-    old_l = _select(lse, rows, 1)
+    old_l = _select(lse, rows)
     hi = torch.maximum(old_l, lo)
-    lo_ = torch.minimum(old_l, lo)
     finite = torch.isfinite(hi)
-    hi_safe = torch.where(finite, hi, torch.zeros_like(hi))
-    new_l = torch.where(finite, hi_safe + torch.log1p(torch.exp(lo_ - hi_safe)), hi)
-    w_old = torch.where(finite, torch.exp(old_l - torch.where(finite, new_l, 0.0)), 0.0).transpose(0, 1)
-    w_new = torch.where(finite, torch.exp(lo - torch.where(finite, new_l, 0.0)), 0.0).transpose(0, 1)
-    new_o = old_o * w_old.unsqueeze(-1) + o * w_new.unsqueeze(-1)
+    hi_safe = torch.where(finite, hi, 0.0)
+    new_l = torch.where(finite, hi_safe + torch.log1p(torch.exp(torch.minimum(old_l, lo) - hi_safe)), hi)
+    base = torch.where(finite, new_l, 0.0)
+    w_old = torch.where(finite, torch.exp(old_l - base), 0.0).unsqueeze(-1)
+    w_new = torch.where(finite, torch.exp(lo - base), 0.0).unsqueeze(-1)
+    new_o = old_o * w_old + o * w_new
     if rows is None:
         out.copy_(new_o)
         lse.copy_(new_l)
     else:
-        out.index_copy_(0, rows, new_o)
+        out.index_copy_(1, rows, new_o)
         lse.index_copy_(1, rows, new_l)
 
 
@@ -118,7 +122,16 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int) -> lis
     return dist.batch_isend_irecv(ops)
 
 
+def _add(acc: torch.Tensor, rows: torch.Tensor | None, part: torch.Tensor) -> None:
+    if rows is None:
+        acc += part
+    else:
+        acc.index_add_(1, rows, part)
+
+
 class _RingAttention(torch.autograd.Function):
+    """Ring attention on head-major tensors ``[H, t, D]`` (see :func:`ring_attention`)."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx,
@@ -133,24 +146,32 @@ class _RingAttention(torch.autograd.Function):
         pool: BufferPool,
     ) -> torch.Tensor:
         r, p = layout.ring, layout.pos
-        hkv = k.shape[1]
-        out = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=torch.float32, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-        shape = (k.shape[0], 2 * hkv, k.shape[2])
+        hkv = k.shape[0]
+        shape = (2 * hkv, k.shape[1], k.shape[2])
         cur = pool.get("ring.kv.a", shape, k.dtype, k.device)
         nxt = pool.get("ring.kv.b", shape, k.dtype, k.device)
-        torch.cat([k, v], dim=1, out=cur)
+        torch.cat([k, v], dim=0, out=cur)
+        out: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
         for s in range(r):
             pending = _exchange(cur, nxt, peers[(p + 1) % r], peers[(p - 1) % r]) if s < r - 1 else []
             step = layout.step((p - s) % r, causal)
             if step is not None:
-                kb = _select(cur[:, :hkv], step.k_rows)
-                vb = _select(cur[:, hkv:], step.k_rows)
+                kb, vb = _select(cur[:hkv], step.k_rows), _select(cur[hkv:], step.k_rows)
                 o, lo = kernel.forward(_select(q, step.q_rows), kb, vb, step.cu_q, step.cu_k, step.causal, scale)
-                _merge(out, lse, step.q_rows, o, lo)
+                if out is None and step.q_rows is None:
+                    out, lse = o, lo  # the first partial covering every row is the accumulator
+                else:
+                    if out is None:
+                        out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)
+                        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+                    _merge(out, lse, step.q_rows, o, lo)
             for work in pending:
                 work.wait()
             cur, nxt = nxt, cur
+        if out is None:  # nothing visible anywhere (cannot happen for real sequences)
+            out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, peers, causal, scale, kernel, pool)
@@ -161,16 +182,16 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, peers, causal, scale, kernel, pool = ctx.args
         r, p = layout.ring, layout.pos
-        hkv = k.shape[1]
+        hkv = k.shape[0]
         nxt_rank, prv_rank = peers[(p + 1) % r], peers[(p - 1) % r]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        shape = (k.shape[0], 2 * hkv, k.shape[2])
+        shape = (2 * hkv, k.shape[1], k.shape[2])
         cur = pool.get("ring.bkv.a", shape, k.dtype, k.device)
         nxt = pool.get("ring.bkv.b", shape, k.dtype, k.device)
         dkv = pool.get("ring.dkv.a", shape, torch.float32, k.device).zero_()
         dkv_in = pool.get("ring.dkv.b", shape, torch.float32, k.device)
-        torch.cat([k, v], dim=1, out=cur)
+        torch.cat([k, v], dim=0, out=cur)
         for s in range(r):
             pending = _exchange(cur, nxt, nxt_rank, prv_rank) if s < r - 1 else []
             step = layout.step((p - s) % r, causal)
@@ -179,25 +200,18 @@ class _RingAttention(torch.autograd.Function):
                 dq_s, dk_s, dv_s = kernel.backward(
                     _select(dout, rows),
                     _select(q, rows),
-                    _select(cur[:, :hkv], step.k_rows),
-                    _select(cur[:, hkv:], step.k_rows),
+                    _select(cur[:hkv], step.k_rows),
+                    _select(cur[hkv:], step.k_rows),
                     _select(out, rows),
-                    _select(lse, rows, 1).contiguous(),
+                    _select(lse, rows).contiguous(),
                     step.cu_q,
                     step.cu_k,
                     step.causal,
                     scale,
                 )
-                if rows is None:
-                    dq += dq_s
-                else:
-                    dq.index_add_(0, rows, dq_s)
-                if step.k_rows is None:
-                    dkv[:, :hkv] += dk_s
-                    dkv[:, hkv:] += dv_s
-                else:
-                    dkv[:, :hkv].index_add_(0, step.k_rows, dk_s)
-                    dkv[:, hkv:].index_add_(0, step.k_rows, dv_s)
+                _add(dq, rows, dq_s)
+                _add(dkv[:hkv], step.k_rows, dk_s)
+                _add(dkv[hkv:], step.k_rows, dv_s)
             if r > 1:
                 # the accumulator travels with its block; after the last step it reaches the block's owner
                 for work in _exchange(dkv, dkv_in, nxt_rank, prv_rank):
@@ -206,8 +220,8 @@ class _RingAttention(torch.autograd.Function):
             for work in pending:
                 work.wait()
             cur, nxt = nxt, cur
-        dk = dkv[:, :hkv].to(k.dtype, copy=True)
-        dv = dkv[:, hkv:].to(v.dtype, copy=True)
+        dk = dkv[:hkv].to(k.dtype, copy=True)
+        dv = dkv[hkv:].to(v.dtype, copy=True)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
@@ -239,4 +253,7 @@ def ring_attention(
     Returns:
         ``[t, H, D]`` attention output for the local queries.
     """
-    return _RingAttention.apply(q, k, v, layout, peers, causal, scale, kernel, pool)
+    # work head-major inside: the CPU kernel reads [heads, tokens, dim] fastest
+    heads_first = [x.transpose(0, 1).contiguous() for x in (q, k, v)]
+    out = _RingAttention.apply(*heads_first, layout, peers, causal, scale, kernel, pool)
+    return out.transpose(0, 1).contiguous()

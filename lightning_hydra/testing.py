@@ -1,4 +1,5 @@
-"""Run a function on N real processes (gloo on CPU), collect each rank's result, fail on a hang."""
+"""Helpers for tests and benchmarks: run a function on N real processes (gloo on CPU), collect each rank's result,
+and fail on a hang instead of hanging."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["run_world"]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -23,9 +26,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result: Any = ("ok", fn(rank, world, *args))
@@ -37,15 +40,21 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
     dist.destroy_process_group()
 
 
-def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, threads: int = 1) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; return the per-rank results.
+
+    ``fn`` must be importable by name (a module-level function). Each rank uses ``threads`` intra-op threads.
 
     Raises:
         AssertionError: A rank raised (its traceback is included) or the run exceeded ``timeout`` seconds.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _worker, args=(world, _free_port(), out_dir, fn, args), nprocs=world, join=False, start_method="spawn"
+            _worker,
+            args=(world, _free_port(), out_dir, fn, args, threads),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout
         while True:
