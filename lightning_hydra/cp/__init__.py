@@ -2,6 +2,7 @@
 variable-length bins in the zigzag layout, forward and backward."""
 
 from lightning_hydra.cp.attention import hydra_attn_func, kv_replication
+from lightning_hydra.cp.context import CPContext, Microbatch, apply_cp, remove_cp
 from lightning_hydra.cp.groups import BufferPool, CPGroup, GroupCache
 from lightning_hydra.cp.kernels import AttentionKernel, available_kernels, select_kernel
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_positions, zigzag_shard, zigzag_unshard
@@ -9,12 +10,16 @@ from lightning_hydra.cp.layout import ZigzagMeta, zigzag_positions, zigzag_shard
 __all__ = [
     "AttentionKernel",
     "BufferPool",
+    "CPContext",
     "CPGroup",
     "GroupCache",
+    "Microbatch",
     "ZigzagMeta",
+    "apply_cp",
     "available_kernels",
     "hydra_attn_func",
     "kv_replication",
+    "remove_cp",
     "select_kernel",
     "zigzag_positions",
     "zigzag_shard",

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lightning_hydra.planner.config import PlannerConfig
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
 from lightning_hydra.planner.hydra import schedule_hydra
@@ -26,6 +27,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanRequest",
+    "PlannerConfig",
     "megatron_min_degree",
     "schedule",
     "shard_tokens",

@@ -1,0 +1,118 @@
+"""From a plan to one rank's packed microbatches.
+
+For every microbatch the rank's group processes a bin (the concatenation of its sequences); the rank gets its
+zigzag shard of the bin's token ids, of the labels (shifted *before* sharding, since the next token of a chunk's
+last token usually lives in another chunk), and of every token's position inside its own document (for RoPE).
+Padding tokens carry ``pad_id`` and ``ignore_index`` labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_hydra.cp.layout import ZigzagMeta, zigzag_source_index
+from lightning_hydra.planner import Plan
+
+__all__ = ["IGNORE_INDEX", "RankMicrobatch", "StepBatch", "pack_rank", "trained_tokens"]
+
+IGNORE_INDEX = -100
+"""Label of tokens that are not trained (the last token of a document, padding)."""
+
+
+@dataclass
+class RankMicrobatch:
+    """One rank's share of one microbatch (empty when the rank's group is idle)."""
+
+    input_ids: torch.Tensor
+    """``[t]`` token ids of the shard (``pad_id`` on padding)."""
+    labels: torch.Tensor
+    """``[t]`` next-token labels (``IGNORE_INDEX`` on padding and at each document's end)."""
+    position_ids: torch.Tensor
+    """``[t]`` position of every token inside its own document."""
+    cu_seqlens: tuple[int, ...]
+    """Unpadded boundaries of the group's whole bin."""
+    ranks: tuple[int, ...]
+    """Global ranks of the group."""
+    ulysses: int
+    """Ulysses degree of the group."""
+    ring: int
+    """Ring degree of the group."""
+    seq_ids: tuple[int, ...]
+    """Dataset indices of the bin's sequences, in bin order."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens (padding included) this rank holds."""
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class StepBatch:
+    """Everything one rank needs for one optimizer step: its microbatches and the step's global facts."""
+
+    epoch: int
+    """Epoch of the step."""
+    step: int
+    """Index of the step inside its epoch."""
+    microbatches: list[RankMicrobatch]
+    """This rank's share of every microbatch of the plan (same count on every rank)."""
+    trained_tokens: int
+    """Labelled tokens of the whole global batch (the loss normaliser)."""
+    digest: str
+    """Digest of the plan (every rank must hold the same)."""
+    groups: tuple[tuple[tuple[int, ...], int, int], ...] = field(default_factory=tuple)
+    """``(ranks, ulysses, ring)`` of every group of the plan (to prepare communicators collectively)."""
+    schedule_ms: float = 0.0
+    """Wall time of planning this global batch."""
+    predicted_loads: tuple[float, ...] = ()
+    """The cost model's prediction of this rank's time in every microbatch."""
+
+
+def trained_tokens(lengths: Sequence[int]) -> int:
+    """Labelled tokens of a batch: every token but each document's last."""
+    return int(sum(max(0, int(n) - 1) for n in lengths))
+
+
+def pack_rank(
+    sequences: Sequence[torch.Tensor],
+    plan: Plan,
+    rank: int,
+    pad_id: int = 0,
+    dataset_ids: Sequence[int] | None = None,
+) -> list[RankMicrobatch]:
+    """This rank's microbatches of ``plan``.
+
+    Args:
+        sequences: ``sequences[i]`` is the 1-D token tensor of batch sequence ``i``.
+        plan: The plan of the global batch.
+        rank: This rank.
+        pad_id: Token id of padding.
+        dataset_ids: Dataset index of every batch sequence (recorded in ``seq_ids``); default the batch index.
+    """
+    ids_of = list(range(len(sequences))) if dataset_ids is None else [int(i) for i in dataset_ids]
+    out = []
+    for m in range(plan.num_microbatches):
+        g = plan.group_of(m, rank)
+        if not g.seq_ids:
+            empty = torch.zeros(0, dtype=torch.long)
+            out.append(RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), g.ranks, g.ulysses, g.ring, ()))
+            continue
+        docs = [sequences[i].long() for i in g.seq_ids]
+        tokens = torch.cat(docs)
+        labels = torch.cat([torch.cat([d[1:], d.new_full((1,), IGNORE_INDEX)]) for d in docs])
+        cu = [0]
+        for d in docs:
+            cu.append(cu[-1] + d.numel())
+        meta = ZigzagMeta.from_cu_seqlens(cu, g.degree)
+        positions, source = zigzag_source_index(meta, g.index(rank))
+        real = source >= 0
+        ids = torch.full((meta.shard_len,), pad_id, dtype=torch.long)
+        lab = torch.full((meta.shard_len,), IGNORE_INDEX, dtype=torch.long)
+        ids[real] = tokens[source[real]]
+        lab[real] = labels[source[real]]
+        seq_ids = tuple(ids_of[i] for i in g.seq_ids)
+        out.append(RankMicrobatch(ids, lab, positions, tuple(cu), g.ranks, g.ulysses, g.ring, seq_ids))
+    return out

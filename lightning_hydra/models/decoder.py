@@ -1,0 +1,175 @@
+"""``DecoderLM``: a Llama-style reference decoder whose attention runs through the CP engine."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typing_extensions import override
+
+from lightning_hydra.cp.context import CPContext
+from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+from lightning_hydra.models.module import HydraModule
+from lightning_hydra.planner import CostModel
+
+__all__ = ["DecoderLM"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class CPAttention(nn.Module):
+    """Grouped-query self-attention with RoPE on true positions; the attention itself goes through ``hydra_cp``."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, cp: CPContext) -> None:
+        super().__init__()
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(f"hidden {hidden}, heads {heads} and kv_heads {kv_heads} do not divide evenly")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.hydra_cp = cp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = self.hydra_cp.attention(q, k, v, causal=True)
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and SwiGLU MLP."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, cp: CPContext, eps: float) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.attn = CPAttention(hidden, heads, kv_heads, cp)
+        self.mlp_norm = RMSNorm(hidden, eps)
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DecoderLM(HydraModule):
+    """A Llama-style decoder (RMSNorm, RoPE on true positions, GQA, SwiGLU) packaged as a LightningModule.
+
+    Its input is a packed shard of token ids with every token's position inside its own document; attention is
+    document-masked and runs through the CP engine, so the same module trains on one process or under
+    :class:`~lightning_hydra.HydraStrategy`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 258,
+        hidden_size: int = 256,
+        num_layers: int = 4,
+        num_heads: int = 8,
+        num_kv_heads: int = 4,
+        ffn_hidden_size: int | None = None,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        init_std: float = 0.02,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = 1.0,
+        flops_per_second: float = 20e9,
+    ) -> None:
+        """Args:
+        vocab_size: Vocabulary size (258: bytes plus PAD and EOS of the embedded corpus).
+        hidden_size: Model width.
+        num_layers: Transformer blocks.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (GQA).
+        ffn_hidden_size: SwiGLU inner width (default ``8/3 * hidden`` rounded up to 64).
+        rope_theta: RoPE base.
+        norm_eps: RMSNorm epsilon.
+        init_std: Standard deviation of the weight initialisation.
+        lr: Learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Linear warm-up steps.
+        max_grad_norm: Gradient clipping (``None``: off).
+        flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
+        """
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm)
+        self.save_hyperparameters()
+        ffn = ffn_hidden_size or 64 * -(-(8 * hidden_size // 3) // 64)
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            Block(hidden_size, num_heads, num_kv_heads, ffn, self.local_cp, norm_eps) for _ in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden_size, norm_eps)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        head_dim = hidden_size // num_heads
+        self.register_buffer(
+            "inv_freq", rope_theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim), persistent=False
+        )
+        self.apply(lambda m: self._init(m, init_std))
+
+    @staticmethod
+    def _init(module: nn.Module, std: float) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+
+    @override
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[t, vocab]`` of a packed shard (run inside a CP context: see :class:`CPContext`)."""
+        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)[:, None, :]
+        sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1)[:, None, :]
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    @override
+    def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
+        logits = self(mb.input_ids, mb.position_ids)
+        return F.cross_entropy(logits.float(), mb.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    @override
+    def attention_heads(self) -> tuple[int | None, int | None]:
+        return self.hparams.num_heads, self.hparams.num_kv_heads
+
+    @override
+    def cost_model(self) -> CostModel:
+        h = self.hparams
+        ffn = h.ffn_hidden_size or 64 * -(-(8 * h.hidden_size // 3) // 64)
+        return CostModel.for_transformer(
+            h.hidden_size,
+            h.num_layers,
+            h.num_heads,
+            h.num_kv_heads,
+            ffn,
+            h.vocab_size,
+            flops_per_second=h.flops_per_second,
+            bytes_per_element=4,
+            intra_node_bandwidth=2e9,
+            inter_node_bandwidth=2e9,
+        )

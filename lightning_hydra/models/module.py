@@ -1,0 +1,144 @@
+"""``HydraModule``: a LightningModule that trains on the planned microbatches of a global batch.
+
+One loader item is one optimizer step: the rank's share of every microbatch of the plan. The module runs them one
+after the other (forward, backward), each under its CP group, normalises every token loss by the number of
+trained tokens of the *whole* global batch, has the strategy sum the gradients over the pool once, and steps the
+optimizer: the gradients equal those of one process training on the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_hydra.cp.context import CPContext
+from lightning_hydra.data.packing import RankMicrobatch, StepBatch
+from lightning_hydra.planner import CostModel
+
+__all__ = ["HydraModule"]
+
+
+class HydraModule(pl.LightningModule):
+    """Base class of models trained with :class:`~lightning_hydra.HydraStrategy` and
+    :class:`~lightning_hydra.HydraDataModule`.
+
+    Subclasses implement :meth:`microbatch_loss` (the *sum* of token losses of a microbatch shard) and
+    :meth:`attention_heads`; attention layers carry a ``hydra_cp`` attribute (a :class:`CPContext`) and call
+    ``self.hydra_cp.attention(q, k, v)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        """Args:
+        lr: AdamW learning rate (after warm-up).
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: Linear learning-rate warm-up, in optimizer steps.
+        max_grad_norm: Clip the global gradient norm to this value (``None``: no clipping).
+        """
+        super().__init__()
+        self.automatic_optimization = False
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.warmup_steps = warmup_steps
+        self.max_grad_norm = max_grad_norm
+        self.local_cp = CPContext()
+        """The context attention layers use without a HydraStrategy (degree 1)."""
+
+    # ------------------------------------------------------------------ to implement
+    def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
+        """Sum of the token losses of this rank's shard of a microbatch (labels ``-100`` excluded)."""
+        raise NotImplementedError
+
+    def attention_heads(self) -> tuple[int | None, int | None]:
+        """``(num_heads, num_kv_heads)`` of the attention layers (the planner keeps Ulysses degrees dividing them)."""
+        return None, None
+
+    def cost_model(self) -> CostModel:
+        """The analytic cost model of this model's shape (the planner's default)."""
+        return CostModel.for_transformer(1024, 8, 8)
+
+    # ------------------------------------------------------------------ runtime
+    def _runtime(self) -> Any:
+        from lightning_hydra.strategy import HydraStrategy, SingleProcessPlanner
+
+        strategy = self.trainer.strategy
+        if isinstance(strategy, HydraStrategy):
+            return strategy
+        if not hasattr(self, "_single"):
+            self._single = SingleProcessPlanner(self, 1)
+        return self._single
+
+    def _context(self) -> CPContext:
+        from lightning_hydra.strategy import HydraStrategy
+
+        strategy = self.trainer.strategy
+        return strategy.cp if isinstance(strategy, HydraStrategy) else self.local_cp
+
+    def _run_microbatches(self, batch: StepBatch, train: bool) -> torch.Tensor:
+        runtime = self._runtime()
+        runtime.begin_step(batch.digest, batch.groups)
+        context = self._context()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in batch.microbatches:
+            if mb.num_tokens == 0:
+                continue  # this rank's group is idle in this microbatch
+            with context.use(runtime.group(mb.ranks, mb.ulysses, mb.ring), mb.cu_seqlens):
+                loss_sum = self.microbatch_loss(mb)
+            if train:
+                self.manual_backward(loss_sum / batch.trained_tokens)
+            total += loss_sum.detach().double()
+        return runtime.all_sum(total) / max(batch.trained_tokens, 1)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    @override
+    def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        loss = self._run_microbatches(batch, train=True)
+        self._runtime().reduce_gradients(self)
+        if self.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        # the loss is already summed over the pool: every rank logs the same value
+        self.log("train/loss", loss.float(), prog_bar=True, batch_size=1)
+        self.log("train/trained_tokens", float(batch.trained_tokens), batch_size=1, reduce_fx="sum")
+        return loss
+
+    @override
+    def validation_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
+        loss = self._run_microbatches(batch, train=False)
+        self.log("val/loss", loss.float(), prog_bar=True, batch_size=1)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr,
+            betas=self.betas,
+        )
+        if not self.warmup_steps:
+            return optimizer
+        warmup = self.warmup_steps
+
+        def factor(step: int) -> float:
+            return min(1.0, (step + 1) / warmup)
+
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor)}

@@ -1,0 +1,64 @@
+"""The planner settings a run uses, in one keyword-only object shared by the strategy and the DataModule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.plan import Plan
+
+__all__ = ["PlannerConfig"]
+
+
+@dataclass(kw_only=True)
+class PlannerConfig:
+    """How global batches are planned onto the pool."""
+
+    policy: str = "hydra"
+    """``"hydra"`` (load-driven), ``"mcore"`` (Megatron-Core Dynamic-CP) or ``"static"`` (one fixed degree)."""
+    max_tokens_per_rank: int = 4096
+    """Capacity: tokens one rank may hold in one microbatch (zigzag padding included)."""
+    num_microbatches: int = 1
+    """Microbatches (gradient-accumulation passes) per optimizer step; ``mcore`` and spills may use more."""
+    ranks_per_node: int = 8
+    """Ranks per node; Ulysses groups stay inside one."""
+    max_ulysses: int | None = None
+    """Cap on the Ulysses degree (``None``: the node size)."""
+    max_ring: int | None = None
+    """Cap on the ring degree (``None``: no cap)."""
+    max_seq_len: int | None = None
+    """Longest sequence the run allows (sizes the ``static`` degree); ``None``: each batch's longest."""
+    cost: CostModel | None = None
+    """Cost model of the loads (``None``: an analytic default from the model shape)."""
+
+    def schedule(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        world_size: int,
+        cost: CostModel,
+        num_heads: int | None,
+        num_kv_heads: int | None,
+        seed: int,
+    ) -> Plan:
+        """Plan one global batch with these settings (see :func:`lightning_hydra.planner.schedule`)."""
+        from lightning_hydra.planner import schedule
+
+        return schedule(
+            lengths,
+            world_size=world_size,
+            num_microbatches=self.num_microbatches,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            cost=cost,
+            policy=self.policy,
+            ranks_per_node=self.ranks_per_node,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            seed=seed,
+            max_ulysses=self.max_ulysses,
+            max_ring=self.max_ring,
+            max_seq_len=self.max_seq_len,
+        )

@@ -1,0 +1,310 @@
+"""``HydraStrategy``: load-driven dynamic context parallelism as a Lightning strategy."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from typing_extensions import override
+
+from lightning_hydra.cp import CPContext, CPGroup, GroupCache, apply_cp, remove_cp
+from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlannerConfig, shard_tokens
+
+__all__ = ["HydraStrategy", "SingleProcessPlanner"]
+
+log = logging.getLogger(__name__)
+
+
+def _model_heads(module: Any) -> tuple[int | None, int | None]:
+    heads = getattr(module, "attention_heads", None)
+    return heads() if callable(heads) else (None, None)
+
+
+def _model_cost(module: Any) -> CostModel:
+    make = getattr(module, "cost_model", None)
+    if callable(make):
+        return make()
+    return CostModel.for_transformer(1024, 8, 8)  # a generic analytic default; calibration refines it
+
+
+class HydraStrategy(DDPStrategy):
+    """Dynamic context parallelism for a pool of data-parallel ranks, planned per global batch.
+
+    Every rank holds a full model replica. For every optimizer step the :class:`~lightning_hydra.HydraDataModule`
+    plans the global batch (the same plan on every rank, checked by digest) into microbatches of CP groups; this
+    strategy prepares the groups' communicators (collectively, once), makes each microbatch's group current for the
+    model's attention, and sums the gradients over the pool once per step, so that they equal one process's
+    gradients on the whole global batch. The model is not wrapped in ``DistributedDataParallel``.
+    """
+
+    strategy_name = "hydra"
+
+    def __init__(
+        self,
+        policy: str = "hydra",
+        max_tokens_per_rank: int = 4096,
+        num_microbatches: int = 1,
+        ranks_per_node: int = 8,
+        ulysses_degree: int | Literal["auto"] = "auto",
+        max_ring: int | None = None,
+        cost: CostModel | None = None,
+        kernel: str = "auto",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        """Args:
+        policy: ``"hydra"`` (load-driven), ``"mcore"`` (Megatron-Core Dynamic-CP) or ``"static"`` (fixed degree).
+        max_tokens_per_rank: Tokens one rank may hold in one microbatch (the memory limit).
+        num_microbatches: Microbatches per optimizer step (gradient accumulation).
+        ranks_per_node: Ranks per node (Ulysses all-to-alls stay inside a node).
+        ulysses_degree: Cap on the Ulysses degree, or ``"auto"`` (the node size, within the heads).
+        max_ring: Cap on the ring degree (``None``: none).
+        cost: Cost model of the planner (``None``: from the model's shape, see ``HydraModule.cost_model``).
+        kernel: Attention kernel: ``"auto"``, ``"cpu"`` or ``"flash"``.
+        accelerator: See ``DDPStrategy``.
+        parallel_devices: See ``DDPStrategy``.
+        cluster_environment: See ``DDPStrategy``.
+        checkpoint_io: See ``DDPStrategy``.
+        precision_plugin: See ``DDPStrategy``.
+        process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by accelerator).
+        timeout: Collective timeout.
+        start_method: How Lightning launches the processes (``"popen"``, ``"spawn"``, ...).
+        """
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if ulysses_degree != "auto" and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
+            raise ValueError(f"ulysses_degree must be a positive int or 'auto', got {ulysses_degree!r}")
+        self.planner_config = PlannerConfig(
+            policy=policy,
+            max_tokens_per_rank=max_tokens_per_rank,
+            num_microbatches=num_microbatches,
+            ranks_per_node=ranks_per_node,
+            max_ulysses=None if ulysses_degree == "auto" else int(ulysses_degree),
+            max_ring=max_ring,
+            cost=cost,
+        )
+        self.cp = CPContext(kernel)
+        self.group_cache: GroupCache | None = None
+        self._cost: CostModel | None = cost
+        self._wrapped = 0
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def is_distributed(self) -> bool:
+        """Always a multi-process strategy (Lightning reads this to enable ``sync_dist`` logging)."""
+        return True
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "hydra" not in strategy_registry:
+            strategy_registry.register("hydra", cls, description="Load-driven dynamic context parallelism (HyDra)")
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if (
+            self.world_size % self.planner_config.ranks_per_node
+            and self.world_size > self.planner_config.ranks_per_node
+        ):
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of ranks_per_node={self.planner_config.ranks_per_node}"
+            )
+        if (
+            self.world_size < self.planner_config.ranks_per_node
+            and self.planner_config.ranks_per_node % self.world_size
+        ):
+            raise ValueError(
+                f"a world of {self.world_size} ranks smaller than a node must divide "
+                f"ranks_per_node={self.planner_config.ranks_per_node}"
+            )
+        self.group_cache = GroupCache(backend=self.process_group_backend)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model  # gradients are summed by reduce_gradients, once per optimizer step
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        pass
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        pass
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        pass
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        self._wrapped = apply_cp(model, self.cp)
+        heads = _model_heads(model)[0]
+        if heads is not None and self.planner_config.max_ulysses and heads % self.planner_config.max_ulysses:
+            raise ValueError(
+                f"{heads} attention heads cannot be split over ulysses_degree={self.planner_config.max_ulysses}"
+            )
+        rank_zero_info(f"HydraStrategy: {self._wrapped} attention modules route through the CP engine")
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            remove_cp(module)
+        super().teardown()
+
+    # ------------------------------------------------------------------ planning
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model the planner uses (given, or derived from the model's shape)."""
+        if self._cost is None:
+            self._cost = _model_cost(self.lightning_module)
+        return self._cost
+
+    @cost_model.setter
+    def cost_model(self, cost: CostModel) -> None:
+        self._cost = cost
+
+    def plan_batch(self, lengths: np.ndarray, *, seed: int) -> Plan:
+        """Plan one global batch (pure and deterministic: every rank gets the same plan)."""
+        heads, kv_heads = _model_heads(self.lightning_module)
+        return self.planner_config.schedule(
+            lengths, world_size=self.world_size, cost=self.cost_model, num_heads=heads, num_kv_heads=kv_heads, seed=seed
+        )
+
+    def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:
+        """Raise ``ValueError`` when a sequence of ``longest`` tokens cannot fit the pool at any degree, or a global
+        batch of ``global_batch_tokens`` cannot fit its microbatches."""
+        pool = self.world_size * self.planner_config.max_tokens_per_rank * self.planner_config.num_microbatches
+        if global_batch_tokens > pool:
+            raise ValueError(
+                f"global_batch_tokens={global_batch_tokens} exceeds what {self.planner_config.num_microbatches} "
+                f"microbatches of {self.world_size} ranks x {self.planner_config.max_tokens_per_rank} tokens hold "
+                f"({pool}); raise num_microbatches or max_tokens_per_rank"
+            )
+        heads, _ = _model_heads(self.lightning_module)
+        rules = DegreeRules(
+            world_size=self.world_size,
+            ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size),
+            num_heads=heads,
+            max_ulysses=self.planner_config.max_ulysses,
+            max_ring=self.planner_config.max_ring,
+        )
+        if rules.memory_min(longest, self.planner_config.max_tokens_per_rank, fine=True) is None:
+            raise ValueError(
+                f"the {split} data holds a sequence of {longest} tokens, more than the pool can hold "
+                f"({self.world_size} ranks x {self.planner_config.max_tokens_per_rank} tokens); raise "
+                "max_tokens_per_rank, add ranks, or set HydraDataModule(max_seq_len=..., truncate=True)"
+            )
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, digest: str, groups: Any) -> None:
+        """Check that every rank holds the same plan, then prepare its groups' communicators (collectively)."""
+        mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        values = [int(x.item()) for x in gathered]
+        if len(set(values)) != 1:
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            raise RuntimeError(
+                f"plan digests differ across ranks: ranks {odd} disagree with rank 0. Every rank must see the same "
+                "dataset, seed, planner settings and cost model"
+            )
+        assert self.group_cache is not None
+        self.group_cache.prepare(_GroupRec(r, u, g) for r, u, g in groups)
+
+    def group(self, ranks: tuple[int, ...], ulysses: int, ring: int) -> CPGroup:
+        """The communicator handle of a prepared group."""
+        assert self.group_cache is not None
+        return self.group_cache.get(ranks, ulysses, ring)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Sum every parameter's gradient over the pool (missing gradients count as zero)."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum of a tensor over the pool."""
+        out = value.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+
+class _GroupRec:
+    __slots__ = ("ranks", "ring", "ulysses")
+
+    def __init__(self, ranks: tuple[int, ...], ulysses: int, ring: int) -> None:
+        self.ranks, self.ulysses, self.ring = tuple(ranks), ulysses, ring
+
+
+class SingleProcessPlanner:
+    """Planning on one device (no HydraStrategy): the whole global batch in one microbatch at degree 1."""
+
+    global_rank = 0
+    world_size = 1
+
+    def __init__(self, module: Any, global_batch_tokens: int) -> None:
+        self.module = module
+        self.global_batch_tokens = global_batch_tokens
+        self.cost_model = _model_cost(module)
+
+    def plan_batch(self, lengths: np.ndarray, *, seed: int) -> Plan:
+        """One microbatch holding every sequence on rank 0."""
+        capacity = sum(shard_tokens(int(n), 1) for n in lengths)
+        heads, kv_heads = _model_heads(self.module)
+        config = PlannerConfig(policy="hydra", max_tokens_per_rank=capacity, num_microbatches=1, ranks_per_node=1)
+        return config.schedule(
+            lengths, world_size=1, cost=self.cost_model, num_heads=heads, num_kv_heads=kv_heads, seed=seed
+        )
+
+    def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:
+        """Anything fits one process (memory permitting)."""
+
+    def begin_step(self, digest: str, groups: Any) -> None:
+        """Nothing to agree on with one process."""
+
+    def group(self, ranks: tuple[int, ...], ulysses: int, ring: int) -> CPGroup:
+        """The local degree-1 group."""
+        return CPContext.local_group()
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Nothing to reduce with one process."""
+
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The value itself."""
+        return value.detach()
+
+
+HydraStrategy.register_strategies(StrategyRegistry)
