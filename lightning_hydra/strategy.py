@@ -20,9 +20,34 @@ from typing_extensions import override
 from lightning_hydra.cp import CPContext, CPGroup, GroupCache, apply_cp, remove_cp
 from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlannerConfig, shard_tokens
 
-__all__ = ["HydraStrategy", "SingleProcessPlanner"]
+__all__ = ["HydraStrategy", "SingleProcessPlanner", "check_digests", "check_pool"]
 
 log = logging.getLogger(__name__)
+
+
+def check_pool(world_size: int, ranks_per_node: int) -> None:
+    """Raise ``ValueError`` unless the pool is whole nodes, or a part of one node that divides it."""
+    if world_size >= ranks_per_node and world_size % ranks_per_node:
+        raise ValueError(f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}")
+    if world_size < ranks_per_node and ranks_per_node % world_size:
+        raise ValueError(
+            f"a world of {world_size} ranks smaller than a node must divide ranks_per_node={ranks_per_node}"
+        )
+
+
+def check_digests(digest: str, world_size: int) -> None:
+    """All-gather a plan digest and raise ``RuntimeError`` naming the ranks that disagree with rank 0 (no hang:
+    every rank takes part and every rank raises)."""
+    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    values = [int(x.item()) for x in gathered]
+    odd = [r for r, v in enumerate(values) if v != values[0]]
+    if odd:
+        raise RuntimeError(
+            f"plan digests differ across ranks: ranks {odd} disagree with rank 0. Every rank must see the same "
+            "dataset, seed, planner settings and cost model"
+        )
 
 
 def _model_heads(module: Any) -> tuple[int | None, int | None]:
@@ -127,21 +152,7 @@ class HydraStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if (
-            self.world_size % self.planner_config.ranks_per_node
-            and self.world_size > self.planner_config.ranks_per_node
-        ):
-            raise ValueError(
-                f"world size {self.world_size} is not a multiple of ranks_per_node={self.planner_config.ranks_per_node}"
-            )
-        if (
-            self.world_size < self.planner_config.ranks_per_node
-            and self.planner_config.ranks_per_node % self.world_size
-        ):
-            raise ValueError(
-                f"a world of {self.world_size} ranks smaller than a node must divide "
-                f"ranks_per_node={self.planner_config.ranks_per_node}"
-            )
+        check_pool(self.world_size, self.planner_config.ranks_per_node)
         self.group_cache = GroupCache(backend=self.process_group_backend)
 
     @override
@@ -225,16 +236,7 @@ class HydraStrategy(DDPStrategy):
     # ------------------------------------------------------------------ per step
     def begin_step(self, digest: str, groups: Any) -> None:
         """Check that every rank holds the same plan, then prepare its groups' communicators (collectively)."""
-        mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
-        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine)
-        values = [int(x.item()) for x in gathered]
-        if len(set(values)) != 1:
-            odd = [r for r, v in enumerate(values) if v != values[0]]
-            raise RuntimeError(
-                f"plan digests differ across ranks: ranks {odd} disagree with rank 0. Every rank must see the same "
-                "dataset, seed, planner settings and cost model"
-            )
+        check_digests(digest, self.world_size)
         assert self.group_cache is not None
         self.group_cache.prepare(_GroupRec(r, u, g) for r, u, g in groups)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_source_index
@@ -21,10 +22,18 @@ def make_dataset(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, 250, (n,), generator=g) for n in LENGTHS]
 
 
-def make_model() -> DecoderLM:
+def make_model(optimizer: str = "adamw") -> DecoderLM:
     torch.manual_seed(1234)
+    lr = 3e-3 if optimizer == "adamw" else 1.0
     return DecoderLM(
-        vocab_size=258, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, lr=3e-3, max_grad_norm=None
+        vocab_size=258,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        lr=lr,
+        max_grad_norm=None,
+        optimizer=optimizer,
     )
 
 
@@ -123,8 +132,39 @@ def test_four_ranks_train_exactly_like_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("policy", ["mcore", "static"])
 def test_baseline_policies_also_train_exactly(tmp_path: Path, policy: str) -> None:
-    base = make_model()
+    base = make_model("sgd")
     ref_rows, ref_model = _reference(tmp_path, copy.deepcopy(base), steps=3)
     model = copy.deepcopy(base)
     runs = _hydra_run(tmp_path, model, policy, steps=3)
     _assert_same_training(ref_rows, ref_model, runs, model)
+
+
+def _resume_run(
+    tmp: Path, name: str, max_steps: int, ckpt: str | None = None, save_at: int | None = None
+) -> list[dict]:
+    run_dir = tmp / name
+    run_dir.mkdir()
+    model = make_model("sgd")
+    dm = HydraDataModule(make_dataset(), global_batch_tokens=400, seed=9)
+    strategy = HydraStrategy(
+        max_tokens_per_rank=128, num_microbatches=2, ranks_per_node=2, start_method="spawn", kernel="cpu"
+    )
+    trainer = _trainer(2, run_dir, strategy=strategy, max_steps=max_steps, max_epochs=3)
+    if save_at:
+        trainer.callbacks.append(
+            ModelCheckpoint(dirpath=str(tmp / "ckpt"), every_n_train_steps=save_at, save_top_k=-1, filename="stop")
+        )
+    trainer.fit(model, dm, ckpt_path=ckpt)
+    return json.loads((run_dir / "rank0.json").read_text())
+
+
+def test_resume_continues_with_the_same_batches(tmp_path: Path) -> None:
+    full = _resume_run(tmp_path, "full", max_steps=8)
+    ckpt = str(tmp_path / "ckpt" / "stop.ckpt")
+    first = _resume_run(tmp_path, "first", max_steps=3, save_at=3)
+    rest = _resume_run(tmp_path, "rest", max_steps=8, ckpt=ckpt)
+    assert [r["digest"] for r in first + rest] == [r["digest"] for r in full]
+    assert [(r["epoch"], r["step"]) for r in first + rest] == [(r["epoch"], r["step"]) for r in full]
+    for a, b in zip(first + rest, full, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert len({r["epoch"] for r in full}) > 1  # the run crosses an epoch boundary

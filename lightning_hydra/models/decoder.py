@@ -99,6 +99,7 @@ class DecoderLM(HydraModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
+        optimizer: str = "adamw",
         flops_per_second: float = 20e9,
     ) -> None:
         """Args:
@@ -115,9 +116,16 @@ class DecoderLM(HydraModule):
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up steps.
         max_grad_norm: Gradient clipping (``None``: off).
+        optimizer: ``"adamw"`` or ``"sgd"``.
         flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
         """
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm)
+        super().__init__(
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+            optimizer=optimizer,
+        )
         self.save_hyperparameters()
         ffn = ffn_hidden_size or 64 * -(-(8 * hidden_size // 3) // 64)
         self.embed = nn.Embedding(vocab_size, hidden_size)

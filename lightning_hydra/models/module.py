@@ -38,14 +38,18 @@ class HydraModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
         max_grad_norm: float | None = None,
+        optimizer: str = "adamw",
     ) -> None:
         """Args:
-        lr: AdamW learning rate (after warm-up).
+        lr: Learning rate (after warm-up).
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         warmup_steps: Linear learning-rate warm-up, in optimizer steps.
         max_grad_norm: Clip the global gradient norm to this value (``None``: no clipping).
+        optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD: parameter updates are linear in the gradients).
         """
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
         super().__init__()
         self.automatic_optimization = False
         self.lr = lr
@@ -53,6 +57,7 @@ class HydraModule(pl.LightningModule):
         self.betas = tuple(betas)
         self.warmup_steps = warmup_steps
         self.max_grad_norm = max_grad_norm
+        self.optimizer_name = optimizer
         self.local_cp = CPContext()
         """The context attention layers use without a HydraStrategy (degree 1)."""
 
@@ -129,11 +134,11 @@ class HydraModule(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.lr,
-            betas=self.betas,
-        )
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=self.lr)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
         if not self.warmup_steps:
             return optimizer
         warmup = self.warmup_steps

@@ -1,0 +1,154 @@
+"""Hugging Face causal LMs under HydraStrategy, through the transformers attention-function registry.
+
+Importing this module registers the attention implementation ``"hydra"``. :func:`apply_hf` switches a model to it
+and gives each attention module a ``hydra_cp`` context (the strategy later points them at its own); the function
+reads the current CP group from the module it is called for, never from a global. :func:`remove_hf` undoes it.
+Packed bins are one batch row with true per-document positions; documents never attend to each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from typing_extensions import override
+
+from lightning_hydra.cp.context import CPContext
+from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+from lightning_hydra.models.module import HydraModule
+from lightning_hydra.planner import CostModel
+
+__all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf"]
+
+IMPLEMENTATION = "hydra"
+
+
+def hydra_hf_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: ``[1, H, S, D]`` in, ``[1, S, H, D]`` out, through the CP engine."""
+    cp = getattr(module, "hydra_cp", None)
+    if cp is None:
+        raise RuntimeError(f"{type(module).__name__} has no CP context: wrap the model with apply_hf() first")
+    if query.shape[0] != 1:
+        raise ValueError(f"hydra attention takes one packed row, got a batch of {query.shape[0]}")
+    if dropout:
+        raise ValueError("attention dropout is not supported by the CP engine")
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    out = cp.attention(q, k, v, causal=getattr(module, "is_causal", True), scale=scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(IMPLEMENTATION, hydra_hf_attention)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "head_dim")]
+
+
+def apply_hf(model: PreTrainedModel, context: CPContext) -> int:
+    """Route ``model``'s attention through the CP engine; returns how many attention modules were wrapped."""
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"found no attention modules in {type(model).__name__}")
+    if not hasattr(model, "_hydra_previous_attn"):
+        object.__setattr__(model, "_hydra_previous_attn", model.config._attn_implementation)
+    model.set_attn_implementation(IMPLEMENTATION)
+    for m in modules:
+        object.__setattr__(m, "hydra_cp", context)
+    return len(modules)
+
+
+def remove_hf(model: PreTrainedModel) -> None:
+    """Undo :func:`apply_hf`: the previous attention implementation, no CP contexts."""
+    previous = getattr(model, "_hydra_previous_attn", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        object.__delattr__(model, "_hydra_previous_attn")
+    for m in _attention_modules(model):
+        if "hydra_cp" in m.__dict__:
+            object.__delattr__(m, "hydra_cp")
+
+
+class HFCausalLM(HydraModule):
+    """A Hugging Face causal LM (built from a config: no download) as a :class:`HydraModule`."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | None = None,
+        *,
+        config: PretrainedConfig | dict | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = 1.0,
+        optimizer: str = "adamw",
+        flops_per_second: float = 20e9,
+    ) -> None:
+        """Args:
+        model: A causal LM instance; or ``None`` to build one from ``config``.
+        config: A ``PretrainedConfig`` or a dict with ``model_type`` (for example ``{"model_type": "llama", ...}``).
+        lr: Learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Linear warm-up steps.
+        max_grad_norm: Gradient clipping (``None``: off).
+        optimizer: ``"adamw"`` or ``"sgd"``.
+        flops_per_second: Achieved FLOP rate assumed by the default cost model.
+        """
+        super().__init__(
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+            optimizer=optimizer,
+        )
+        if model is None:
+            if config is None:
+                raise ValueError("HFCausalLM needs a model or a config")
+            if isinstance(config, dict):
+                config = AutoConfig.for_model(**config)
+            model = AutoModelForCausalLM.from_config(config)
+        self.model = model
+        self.flops_per_second = flops_per_second
+        apply_hf(self.model, self.local_cp)
+
+    @override
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[t, vocab]`` of a packed shard (inside a CP context)."""
+        return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+
+    @override
+    def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
+        logits = self(mb.input_ids, mb.position_ids)
+        return F.cross_entropy(logits.float(), mb.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    @override
+    def attention_heads(self) -> tuple[int | None, int | None]:
+        c = self.model.config
+        return c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @override
+    def cost_model(self) -> CostModel:
+        c = self.model.config
+        return CostModel.for_transformer(
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            getattr(c, "num_key_value_heads", None),
+            getattr(c, "intermediate_size", None),
+            c.vocab_size,
+            flops_per_second=self.flops_per_second,
+            bytes_per_element=4,
+            intra_node_bandwidth=2e9,
+            inter_node_bandwidth=2e9,
+        )
