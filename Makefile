@@ -1,5 +1,5 @@
 # Two commands for a new user; each sets itself up on a fresh machine:
-#   make demo   - creates .venv (CPU torch 2.13.0) if needed, then runs the demo
+#   make demo   - creates .venv (CPU torch 2.13.0) if needed, then trains the demo model on 4 CPU ranks
 #   make test   - creates .venv if needed, then lint + the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,13 +12,13 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,hf]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m lightning_hydra.bench.schedule --world-sizes 64 512 --fills 0.75
+	$(PY) -m lightning_hydra.demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -29,6 +29,8 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) -m lightning_hydra.bench.schedule --full
+	$(PY) -m lightning_hydra.bench.cp
+	$(PY) -m lightning_hydra.bench.train
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

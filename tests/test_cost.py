@@ -63,3 +63,12 @@ def test_round_trip_and_replace(cost: CostModel) -> None:
 def test_bad_shape_is_rejected() -> None:
     with pytest.raises(ValueError):
         CostModel.for_transformer(0, 2, 2)
+
+
+def test_splitting_below_a_kernel_tile_buys_no_speed(cost: CostModel) -> None:
+    tile = cost.min_chunk_tokens
+    # 1024 tokens: compute keeps shrinking down to 128 tokens per rank (degree 8), then stops
+    assert float(cost.compute(1024, 8)) < float(cost.compute(1024, 4))
+    assert float(cost.compute(1024, 16)) == pytest.approx(float(cost.compute(1024, 8)))
+    assert float(cost.effective_degree(100, 32)) == 1.0
+    assert float(cost.effective_degree(64 * tile, 8)) == 8.0

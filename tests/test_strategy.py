@@ -94,8 +94,16 @@ def _reference(tmp: Path, model: DecoderLM, steps: int | None = None, epochs: in
 def _hydra_run(tmp: Path, model: DecoderLM, policy: str, steps: int | None = None, epochs: int = 1) -> list[list[dict]]:
     run_dir = tmp / policy
     run_dir.mkdir()
+    # tiny documents: a small kernel tile in the cost model lets the plans use degrees up to 4 (what we test)
+    cost = model.cost_model().replace(min_chunk_tokens=16)
     strategy = HydraStrategy(
-        policy=policy, max_tokens_per_rank=80, num_microbatches=3, ranks_per_node=2, start_method="spawn", kernel="cpu"
+        policy=policy,
+        max_tokens_per_rank=80,
+        num_microbatches=3,
+        ranks_per_node=2,
+        start_method="spawn",
+        kernel="cpu",
+        cost=cost,
     )
     dm = HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5)
     trainer = _trainer(4, run_dir, strategy=strategy, max_steps=steps or -1, max_epochs=epochs)

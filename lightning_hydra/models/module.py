@@ -8,6 +8,7 @@ optimizer: the gradients equal those of one process training on the whole batch.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +17,7 @@ from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import RankMicrobatch, StepBatch
+from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
 from lightning_hydra.planner import CostModel
 
 __all__ = ["HydraModule"]
@@ -60,6 +62,8 @@ class HydraModule(pl.LightningModule):
         self.optimizer_name = optimizer
         self.local_cp = CPContext()
         """The context attention layers use without a HydraStrategy (degree 1)."""
+        self.last_timing = StepTiming()
+        """Busy time of every microbatch of the last step on this rank (forward + backward)."""
 
     # ------------------------------------------------------------------ to implement
     def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
@@ -95,15 +99,23 @@ class HydraModule(pl.LightningModule):
         runtime = self._runtime()
         runtime.begin_step(batch.digest, batch.groups)
         context = self._context()
+        timer = MicrobatchTimer(self.device)
+        timing = StepTiming()
+        wall = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in batch.microbatches:
             if mb.num_tokens == 0:
-                continue  # this rank's group is idle in this microbatch
+                timing.busy.append(0.0)  # this rank's group is idle in this microbatch
+                continue
+            token = timer.start()
             with context.use(runtime.group(mb.ranks, mb.ulysses, mb.ring), mb.cu_seqlens):
                 loss_sum = self.microbatch_loss(mb)
             if train:
                 self.manual_backward(loss_sum / batch.trained_tokens)
+            timing.busy.append(timer.stop(token))
             total += loss_sum.detach().double()
+        timing.wall = time.perf_counter() - wall
+        self.last_timing = timing
         return runtime.all_sum(total) / max(batch.trained_tokens, 1)
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -127,7 +139,7 @@ class HydraModule(pl.LightningModule):
     @override
     def validation_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
         loss = self._run_microbatches(batch, train=False)
-        self.log("val/loss", loss.float(), prog_bar=True, batch_size=1)
+        self.log("val/loss", loss.float(), prog_bar=True, batch_size=1, sync_dist=True)  # equal on all ranks
         return loss
 
     @override

@@ -5,7 +5,7 @@ fields so that calibration (a later refit from measured times) can hand new valu
 
 Per sequence of length ``L`` on a group of degree ``d = u * r`` (DESIGN.md section 3)::
 
-    compute(L, d) = (attn * L**2 + linear * L) / d + seq_overhead
+    compute(L, d) = (attn * L**2 + linear * L) / min(d, max(1, L / min_chunk_tokens)) + seq_overhead
     a2a(L, d, u)  = a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_bw                         (if u > 1)
     step_comm     = ring_bytes_per_token * (L / r) / u / inter_bw     one KV block hop, fwd + bwd
     step_attn     = attn * L**2 / (d * r)                             the attention one hop can hide behind
@@ -17,7 +17,9 @@ step and computes all their attention while it travels, so exposure and latencie
                     + [r > 1] (r - 1) * (max(0, sum(step_comm) - sum(step_attn)) + p2p_latency)
 
 A short sequence sharing a ring group with a long one therefore hides its KV transfer behind the long one's
-attention, while a bin of short sequences alone exposes its ring traffic.
+attention, while a bin of short sequences alone exposes its ring traffic. Kernels work in tiles: splitting a
+sequence below ``min_chunk_tokens`` per rank buys no more speed (the effective degree in ``compute`` saturates),
+while the split still pays communication and overheads.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class CostModel:
     """Bytes per second one rank achieves on point-to-point transfers between nodes (InfiniBand class)."""
     a2a_latency: float = 0.0
     """Fixed seconds per microbatch for the Ulysses all-to-alls of all layers (latency, not bandwidth)."""
+    min_chunk_tokens: float = 128.0
+    """Per-rank chunk below which splitting a sequence further buys no speed (a kernel tile)."""
     p2p_latency: float = 0.0
     """Fixed seconds per ring step for the P2P transfers of all layers."""
 
@@ -77,6 +81,7 @@ class CostModel:
         seq_overhead: float = 20e-6,
         a2a_latency: float = 30e-6,
         p2p_latency: float = 20e-6,
+        min_chunk_tokens: float = 128.0,
     ) -> CostModel:
         """Derive coefficients from a causal decoder's shape and an achieved FLOP rate.
 
@@ -97,6 +102,7 @@ class CostModel:
             seq_overhead: Seconds per sequence per rank that do not shrink with the degree.
             a2a_latency: Fixed seconds of the Ulysses all-to-alls per microbatch (all layers).
             p2p_latency: Fixed seconds per ring step (all layers).
+            min_chunk_tokens: Per-rank chunk below which splitting buys no speed (a kernel tile).
 
         Returns:
             The analytic cost model.
@@ -123,6 +129,7 @@ class CostModel:
             inter_node_bandwidth=inter_node_bandwidth,
             a2a_latency=a2a_latency,
             p2p_latency=p2p_latency,
+            min_chunk_tokens=min_chunk_tokens,
         )
 
     def replace(self, **changes: float) -> CostModel:
@@ -144,9 +151,14 @@ class CostModel:
         length = np.asarray(length, dtype=np.float64)
         return self.attn * length * length + self.linear * length
 
+    def effective_degree(self, length: ArrayLike, degree: ArrayLike) -> ArrayLike:
+        """The degree compute scales with: ``degree``, but no finer than ``min_chunk_tokens`` per rank."""
+        length = np.asarray(length, dtype=np.float64)
+        return np.minimum(np.asarray(degree, dtype=np.float64), np.maximum(1.0, length / self.min_chunk_tokens))
+
     def compute(self, length: ArrayLike, degree: ArrayLike) -> ArrayLike:
         """Per-rank compute of a sequence split over ``degree`` ranks, per-sequence overhead included."""
-        return self.useful(length) / np.asarray(degree, dtype=np.float64) + self.seq_overhead
+        return self.useful(length) / self.effective_degree(length, degree) + self.seq_overhead
 
     def a2a(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
         """Per-rank Ulysses all-to-all time of a sequence (bandwidth only; the latency is per bin)."""
@@ -194,7 +206,8 @@ class CostModel:
         r = np.asarray(ring, dtype=np.float64)[:, None]
         d = u * r
         a2a = np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / self.intra_node_bandwidth, 0.0)
-        base = lens * ((self.linear + a2a) / d + self.attn / d * lens) + self.seq_overhead
+        d_eff = np.minimum(d, np.maximum(1.0, lens / self.min_chunk_tokens))
+        base = lens * ((self.linear + self.attn * lens) / d_eff + a2a / d) + self.seq_overhead
         steps = np.maximum(r - 1, 0.0)
         comm = lens * (steps * self.ring_bytes_per_token / (r * u) / self.inter_node_bandwidth)
         attn = lens * lens * (steps * self.attn / (u * r * r))

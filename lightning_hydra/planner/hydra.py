@@ -34,6 +34,7 @@ Sequences that no group can take (tokens) go to a further microbatch rather than
 
 from __future__ import annotations
 
+import bisect
 import heapq
 
 import numpy as np
@@ -44,6 +45,8 @@ from lightning_hydra.planner.request import PlanRequest
 __all__ = ["schedule_hydra", "split_snake", "split_sorted"]
 
 BISECTION_STEPS = 12
+SCAN = 6
+"""Sizes looked at per placement beyond a sequence's own: evenly spaced over its reach (bounds the cost)."""
 """Bisection steps of the target search."""
 MOVE_LIMIT = 256
 """Most moves of the final move pass per microbatch."""
@@ -132,9 +135,19 @@ class _Microbatch:
         rows = np.arange(self.rows)[:, None]
         masked = np.where(rows >= self.min_k[None, self.var], self.cost[:, self.var], np.inf)
         self.runmin = np.minimum.accumulate(masked, axis=0)
+        # Largest degree each sequence splits into efficiently (no finer than a kernel tile per rank): joining a
+        # larger group would only cost it more rank-time.
+        efficient = np.maximum(1.0, lengths / req.cost.min_chunk_tokens)
+        self.kmax_tile = np.searchsorted(self.deg, efficient, side="right") - 1
         self.target = self._search_target()
         self.k = self.degrees_at(self.target)
+        self.kmax = self._reach(self.k)
         self.work = self.cost[self.k, cols] * self.deg[self.k]
+
+    def _reach(self, k: np.ndarray) -> np.ndarray:
+        """Largest degree index a sequence at degree index ``k`` may join: no finer than a kernel tile per rank
+        (never below its own)."""
+        return np.maximum(self.kmax_tile, k)
 
     def degrees_at(self, target: float) -> np.ndarray:
         """Smallest degree index (at or above the memory minimum) whose cost is at most ``target``; the cheapest
@@ -165,26 +178,33 @@ class _Microbatch:
         n = deg.size
         big = cost > target / 2
         tokens = self.shards[k, cols] * deg[k]  # tokens a sequence occupies in its group, all members together
-        kb, kf = k[big], k[~big]
+        kb = k[big]
         groups = np.bincount(kb, minlength=n).astype(np.float64)
         slack_work = np.bincount(kb, weights=(target - cost[big]) * deg[kb], minlength=n)
         slack_tokens = np.bincount(kb, weights=self.capacity * deg[kb] - tokens[big], minlength=n)
-        fluid_work = np.bincount(kf, weights=cost[~big] * deg[kf], minlength=n)
-        fluid_tokens = np.bincount(kf, weights=tokens[~big], minlength=n)
-        work, room = 0.0, 0.0  # slack carried down from larger degrees (a sequence never joins a smaller group)
-        for j in np.flatnonzero((slack_work > 0) | (fluid_work > 0))[::-1].tolist():
+        # A small sequence fills slack beside the big ones in groups from its own degree up to the largest degree it
+        # splits into efficiently; credited from the smallest such degree up, the rest gets groups of its own degree.
+        small = ~big
+        reach = self._reach(k)[small]
+        fluid_work = np.bincount(reach, weights=cost[small] * deg[k[small]], minlength=n)
+        fluid_tokens = np.bincount(reach, weights=tokens[small], minlength=n)
+        home = np.full(n, n, dtype=np.int64)
+        np.minimum.at(home, reach, k[small])
+        work, room = 0.0, 0.0
+        for j in np.flatnonzero((slack_work > 0) | (fluid_work > 0)).tolist():
             work += slack_work[j]
             room += slack_tokens[j]
             if fluid_work[j] <= 0:
                 continue
             share = min(1.0, work / fluid_work[j], room / max(fluid_tokens[j], 1.0))
             rest_work, rest_tokens = (1 - share) * fluid_work[j], (1 - share) * fluid_tokens[j]
+            h = int(home[j])
             extra = max(
-                np.ceil(rest_work / (target * deg[j]) - 1e-9), np.ceil(rest_tokens / (self.capacity * deg[j]) - 1e-9)
+                np.ceil(rest_work / (target * deg[h]) - 1e-9), np.ceil(rest_tokens / (self.capacity * deg[h]) - 1e-9)
             )
-            groups[j] += extra
-            work += extra * target * deg[j] - fluid_work[j]
-            room += extra * self.capacity * deg[j] - fluid_tokens[j]
+            groups[h] += extra
+            work += extra * target * deg[h] - fluid_work[j]
+            room += extra * self.capacity * deg[h] - fluid_tokens[j]
         return groups
 
     def ranks_needed(self, target: float) -> float:
@@ -225,8 +245,6 @@ class _Placement:
         self.parked: dict[int, list[tuple[int, int]]] = {}  # per size: max-heap of (-room, group)
         self.classes: list[int] = []
         self.open_classes: set[int] = set()
-        self.everyone: list[tuple[float, int]] = []  # min-heap of all groups by load (for small sequences)
-        self.everyone_parked: list[tuple[int, int]] = []  # max-heap of (-room, group) without room
         self.cost = mb.cost.tolist()
         self.base = mb.base.tolist()
         self.net = (mb.ring_comm - mb.ring_attn).tolist()  # ring traffic minus the attention that can hide it
@@ -263,7 +281,6 @@ class _Placement:
                 self.held.append(0)
                 self.bins.append([])
                 self.heaps.setdefault(k, []).append((0.0, g))
-                self.everyone.append((0.0, g))
         self.classes = sorted(self.heaps)
         self.open_classes = set(self.classes)
 
@@ -302,7 +319,6 @@ class _Placement:
         self.held[g] += self.shards[k][i]
         self.bins[g].append(i)
         heapq.heappush(self.heaps[k], (self.load[g], g))
-        heapq.heappush(self.everyone, (self.load[g], g))
 
     def place(self, i: int) -> bool:
         """Place sequence ``i``; ``False`` when no group can hold its tokens.
@@ -314,54 +330,27 @@ class _Placement:
         mb = self.mb
         own = int(mb.k[i])
         target = mb.target
-        cost = self.cost
         if own in self.heaps:
             g = self.least_loaded(own, i)
             if g is not None and self.after(g, i) <= target:
                 self.put(g, i)
                 return True
-        if own == self.classes[0] and cost[own][i] <= target / 2:
-            self._unpark_any(i)
-            g = self._least_loaded_any(i)
-            if g is not None:
-                self.put(g, i)
-                return True
-        best = self._best(i, [k for k in self.open_classes if k >= own], prune=True)
+        classes = self.classes
+        lo, hi = bisect.bisect_left(classes, own), bisect.bisect_right(classes, int(mb.kmax[i]))
+        near = classes[lo:hi]
+        if len(near) > SCAN + 2:
+            near = near[:: -(-len(near) // SCAN)] + near[-1:]
+        best = self._best(i, [k for k in near if k in self.open_classes], prune=True)
         if best is None or best[0] > target:
-            best = self._best(i, [k for k in self.classes if k >= own], prune=False) or best
+            best = self._best(i, near, prune=False) or best
+        if best is None:  # no room within reach: larger groups, then smaller ones down to the memory minimum
+            best = self._best(i, classes[hi:], prune=False)
         if best is None:
-            best = self._best(i, [k for k in self.classes if mb.min_k[i] <= k < own], prune=False)
+            best = self._best(i, classes[bisect.bisect_left(classes, int(mb.min_k[i])) : lo], prune=False)
         if best is None:
             return False
         self.put(best[1], i)
         return True
-
-    def _least_loaded_any(self, i: int) -> int | None:
-        """Least loaded group of any size with token room for sequence ``i`` (the global heap, groups without
-        room parked until a smaller sequence comes)."""
-        heap = self.everyone
-        parked = self.everyone_parked
-        cap = self.mb.capacity
-        while heap:
-            lo, g = heap[0]
-            if lo != self.load[g]:
-                heapq.heappop(heap)
-                continue
-            need = self.shards[self.gk[g]][i]
-            if self.held[g] + need > cap:
-                heapq.heappop(heap)
-                heapq.heappush(parked, (-(cap - self.held[g]), g))
-                continue
-            return g
-        return None
-
-    def _unpark_any(self, i: int) -> None:
-        """Return parked groups with room for sequence ``i`` at its own degree to the global heap."""
-        parked = self.everyone_parked
-        need = self.shards[int(self.mb.k[i])][i]  # the largest shard it can need (at its own, smallest degree)
-        while parked and -parked[0][0] >= need:
-            _, g = heapq.heappop(parked)
-            heapq.heappush(self.everyone, (self.load[g], g))
 
     def _best(self, i: int, classes: list[int], prune: bool) -> tuple[float, int] | None:
         """Least resulting load for sequence ``i`` over the heap tops of ``classes`` (with token room)."""
