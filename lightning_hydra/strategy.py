@@ -57,9 +57,9 @@ def _model_heads(module: Any) -> tuple[int | None, int | None]:
 
 def _model_cost(module: Any) -> CostModel:
     make = getattr(module, "cost_model", None)
-    if callable(make):
-        return make()
-    return CostModel.for_transformer(1024, 8, 8)  # a generic analytic default; calibration refines it
+    if not callable(make):
+        raise TypeError(f"{type(module).__name__} has no cost_model(): subclass lightning_hydra.HydraModule")
+    return make()
 
 
 class HydraStrategy(DDPStrategy):
@@ -280,7 +280,14 @@ class SingleProcessPlanner:
     def __init__(self, module: Any, global_batch_tokens: int) -> None:
         self.module = module
         self.global_batch_tokens = global_batch_tokens
-        self.cost_model = _model_cost(module)
+        self._cost: CostModel | None = None
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The model's analytic cost model (built on first use)."""
+        if self._cost is None:
+            self._cost = _model_cost(self.module)
+        return self._cost
 
     def plan_batch(self, lengths: np.ndarray, *, seed: int) -> Plan:
         """One microbatch holding every sequence on rank 0."""

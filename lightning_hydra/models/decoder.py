@@ -10,7 +10,6 @@ from typing_extensions import override
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
 from lightning_hydra.models.module import HydraModule
-from lightning_hydra.planner import CostModel
 
 __all__ = ["DecoderLM"]
 
@@ -128,6 +127,7 @@ class DecoderLM(HydraModule):
         )
         self.save_hyperparameters()
         ffn = ffn_hidden_size or 64 * -(-(8 * hidden_size // 3) // 64)
+        self.ffn_hidden_size = ffn
         self.embed = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
             Block(hidden_size, num_heads, num_kv_heads, ffn, self.local_cp, norm_eps) for _ in range(num_layers)
@@ -166,18 +166,13 @@ class DecoderLM(HydraModule):
         return self.hparams.num_heads, self.hparams.num_kv_heads
 
     @override
-    def cost_model(self) -> CostModel:
+    def model_shape(self) -> dict[str, int | None]:
         h = self.hparams
-        ffn = h.ffn_hidden_size or 64 * -(-(8 * h.hidden_size // 3) // 64)
-        return CostModel.for_transformer(
-            h.hidden_size,
-            h.num_layers,
-            h.num_heads,
-            h.num_kv_heads,
-            ffn,
-            h.vocab_size,
-            flops_per_second=h.flops_per_second,
-            bytes_per_element=4,
-            intra_node_bandwidth=2e9,
-            inter_node_bandwidth=2e9,
-        )
+        return {
+            "hidden_size": h.hidden_size,
+            "num_layers": h.num_layers,
+            "num_heads": h.num_heads,
+            "num_kv_heads": h.num_kv_heads,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "vocab_size": h.vocab_size,
+        }

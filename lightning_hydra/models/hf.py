@@ -19,7 +19,6 @@ from typing_extensions import override
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
 from lightning_hydra.models.module import HydraModule
-from lightning_hydra.planner import CostModel
 
 __all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf"]
 
@@ -119,7 +118,6 @@ class HFCausalLM(HydraModule):
                 config = AutoConfig.for_model(**config)
             model = AutoModelForCausalLM.from_config(config)
         self.model = model
-        self.flops_per_second = flops_per_second
         apply_hf(self.model, self.local_cp)
 
     @override
@@ -138,17 +136,13 @@ class HFCausalLM(HydraModule):
         return c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
 
     @override
-    def cost_model(self) -> CostModel:
+    def model_shape(self) -> dict[str, int | None]:
         c = self.model.config
-        return CostModel.for_transformer(
-            c.hidden_size,
-            c.num_hidden_layers,
-            c.num_attention_heads,
-            getattr(c, "num_key_value_heads", None),
-            getattr(c, "intermediate_size", None),
-            c.vocab_size,
-            flops_per_second=self.flops_per_second,
-            bytes_per_element=4,
-            intra_node_bandwidth=2e9,
-            inter_node_bandwidth=2e9,
-        )
+        return {
+            "hidden_size": c.hidden_size,
+            "num_layers": c.num_hidden_layers,
+            "num_heads": c.num_attention_heads,
+            "num_kv_heads": getattr(c, "num_key_value_heads", None),
+            "ffn_hidden_size": getattr(c, "intermediate_size", None),
+            "vocab_size": c.vocab_size,
+        }

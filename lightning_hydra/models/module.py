@@ -20,7 +20,10 @@ from lightning_hydra.data.packing import RankMicrobatch, StepBatch
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
 from lightning_hydra.planner import CostModel
 
-__all__ = ["HydraModule"]
+__all__ = ["CPU_LINKS", "HydraModule"]
+
+CPU_LINKS = {"bytes_per_element": 4, "intra_node_bandwidth": 2e9, "inter_node_bandwidth": 2e9}
+"""Communication constants of the default cost model: float32 over gloo on one machine (assumed, not measured)."""
 
 
 class HydraModule(pl.LightningModule):
@@ -41,6 +44,7 @@ class HydraModule(pl.LightningModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = None,
         optimizer: str = "adamw",
+        flops_per_second: float = 20e9,
     ) -> None:
         """Args:
         lr: Learning rate (after warm-up).
@@ -49,6 +53,7 @@ class HydraModule(pl.LightningModule):
         warmup_steps: Linear learning-rate warm-up, in optimizer steps.
         max_grad_norm: Clip the global gradient norm to this value (``None``: no clipping).
         optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD: parameter updates are linear in the gradients).
+        flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
         """
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
@@ -60,6 +65,7 @@ class HydraModule(pl.LightningModule):
         self.warmup_steps = warmup_steps
         self.max_grad_norm = max_grad_norm
         self.optimizer_name = optimizer
+        self.flops_per_second = flops_per_second
         self.local_cp = CPContext()
         """The context attention layers use without a HydraStrategy (degree 1)."""
         self.last_timing = StepTiming()
@@ -74,9 +80,14 @@ class HydraModule(pl.LightningModule):
         """``(num_heads, num_kv_heads)`` of the attention layers (the planner keeps Ulysses degrees dividing them)."""
         return None, None
 
+    def model_shape(self) -> dict[str, int | None]:
+        """Arguments of :meth:`CostModel.for_transformer` describing this model (``hidden_size``, ``num_layers``,
+        ``num_heads``, ``num_kv_heads``, ``ffn_hidden_size``, ``vocab_size``)."""
+        return {"hidden_size": 1024, "num_layers": 8, "num_heads": 8}
+
     def cost_model(self) -> CostModel:
-        """The analytic cost model of this model's shape (the planner's default)."""
-        return CostModel.for_transformer(1024, 8, 8)
+        """The analytic cost model of this model's shape (the planner's default; calibration refines it)."""
+        return CostModel.for_transformer(**self.model_shape(), flops_per_second=self.flops_per_second, **CPU_LINKS)
 
     # ------------------------------------------------------------------ runtime
     def _runtime(self) -> Any:
