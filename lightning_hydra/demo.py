@@ -15,6 +15,7 @@ import sys
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
@@ -32,8 +33,10 @@ class _Summary(pl.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
         busy = torch.tensor([module.last_timing.total_busy], dtype=torch.float64)
-        gathered = trainer.strategy.all_gather(busy).flatten()
-        self.balance.append(float(gathered.max() / gathered.mean()))
+        gathered = [torch.zeros_like(busy) for _ in range(trainer.world_size)]
+        dist.all_gather(gathered, busy)  # plain collective: no autograd needed
+        values = torch.cat(gathered)
+        self.balance.append(float(values.max() / values.mean()))
 
     def on_train_end(self, trainer, module) -> None:
         if trainer.is_global_zero and self.losses:

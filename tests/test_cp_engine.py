@@ -96,11 +96,21 @@ def _engine_worker(rank: int, world: int, cases: list[tuple]) -> list[tuple]:
     results = []
     for label, groups, kwargs in cases:
         results.append((label, _run_case(rank, cache, groups, **kwargs)))
-    # the same plans again: nothing new is created
-    before = cache.created
+    # the same plans again: no new process group, no new communication buffer
+    before, buffers = cache.created, cache.buffers.allocations
     for _, groups, _ in cases:
         assert cache.prepare(groups) == 0
-    results.append(("cache", {"created_again": float(cache.created - before), "held": float(len(cache))}))
+    label, groups, kwargs = cases[-1]
+    _run_case(rank, cache, groups, **kwargs)
+    results.append(
+        (
+            "cache",
+            {
+                "created_again": float(cache.created - before),
+                "buffers_again": float(cache.buffers.allocations - buffers),
+            },
+        )
+    )
     return results
 
 
@@ -125,7 +135,7 @@ def test_every_factorization_matches_one_process(world: int) -> None:
     for rank_results in results:
         for label, errors in rank_results:
             if label == "cache":
-                assert errors["created_again"] == 0
+                assert errors["created_again"] == 0 and errors["buffers_again"] == 0, errors
                 continue
             worst = max(errors.values())
             assert worst <= 1e-5, f"{label}: relative errors {errors}"
