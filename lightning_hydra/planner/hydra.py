@@ -20,8 +20,9 @@ Per global batch:
    beside the big ones; each degree gets as many groups as its load needs, leftover ranks go to the degrees
    loaded the most, and every group is opened up front.
 5. **Placement with lazy heaps.** Sequences go in decreasing work to the least loaded group of their degree if it
-   stays within ``T``, else to the least loaded group of their degree or larger (short sequences join larger
-   groups; the cost model charges that degree's communication and overheads). One min-heap per size holds the
+   stays within ``T``, else to the least loaded group of their degree or larger, up to the largest degree they
+   split into efficiently (no finer than a kernel tile per rank; at most ``SCAN`` sizes looked at), so short
+   sequences fill the slack beside long ones where that costs no extra rank-time. One min-heap per size holds the
    groups: a group whose load changes gets a fresh entry, stale entries are dropped when they surface and groups
    without token room are parked until a smaller sequence comes. A placement costs ``O(sizes * log N)``, never a
    scan of the pool.
@@ -236,7 +237,6 @@ class _Placement:
 
     def __init__(self, mb: _Microbatch) -> None:
         self.mb = mb
-        self.sizes = mb.table.sizes
         self.gk: list[int] = []
         self.load: list[float] = []
         self.held: list[int] = []
