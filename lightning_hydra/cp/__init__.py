@@ -3,7 +3,7 @@ variable-length bins in the zigzag layout, forward and backward."""
 
 from lightning_hydra.cp.attention import hydra_attn_func, kv_replication
 from lightning_hydra.cp.context import CPContext, Microbatch, apply_cp, remove_cp
-from lightning_hydra.cp.groups import BufferPool, CPGroup, GroupCache
+from lightning_hydra.cp.groups import BufferPool, CommClock, CPGroup, GroupCache
 from lightning_hydra.cp.kernels import AttentionKernel, available_kernels, select_kernel
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_positions, zigzag_shard, zigzag_unshard
 
@@ -12,6 +12,7 @@ __all__ = [
     "BufferPool",
     "CPContext",
     "CPGroup",
+    "CommClock",
     "GroupCache",
     "Microbatch",
     "ZigzagMeta",

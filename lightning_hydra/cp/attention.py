@@ -91,7 +91,9 @@ def hydra_attn_func(
     peers = group.ring_peers(rank)
     layout = RingLayout(meta.lengths, tuple(u * c for c in meta.chunks), r, member // u)
     if u == 1:
-        return ring_attention(q, k, v, layout, peers, causal=causal, scale=scale, kernel=kern, pool=group.buffers)
+        return ring_attention(
+            q, k, v, layout, peers, causal=causal, scale=scale, kernel=kern, pool=group.buffers, clock=group.clock
+        )
 
     f = kv_replication(heads, kv_heads, u)
     if f > 1:
@@ -104,7 +106,7 @@ def hydra_attn_func(
     packed = torch.cat(
         [q.view(t, u, heads // u, dim), k.view(t, u, hk // u, dim), v.view(t, u, hk // u, dim)], dim=2
     ).view(t, heads + 2 * hk, dim)
-    gathered = ulysses_gather(packed, pg, u, order)
+    gathered = ulysses_gather(packed, pg, u, order, group.clock)
     q2, k2, v2 = gathered.split([heads // u, hk // u, hk // u], dim=1)
     out2 = ring_attention(
         q2.contiguous(),
@@ -116,5 +118,6 @@ def hydra_attn_func(
         scale=scale,
         kernel=kern,
         pool=group.buffers,
+        clock=group.clock,
     )
-    return ulysses_scatter(out2, pg, u, order)
+    return ulysses_scatter(out2, pg, u, order, group.clock)

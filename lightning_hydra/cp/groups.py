@@ -9,14 +9,16 @@ point-to-point between global ranks and needs no group of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BufferPool", "CPGroup", "GroupCache", "GroupRecord"]
+__all__ = ["BufferPool", "CPGroup", "CommClock", "GroupCache", "GroupRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,27 @@ class GroupRecord(Protocol):
     ranks: tuple[int, ...]
     ulysses: int
     ring: int
+
+
+class CommClock:
+    """Wall seconds this rank spent inside CP collectives (all-to-alls and ring waits), summed since creation.
+
+    The owner reads :attr:`seconds` before and after a microbatch; the difference is its CP communication time,
+    including any wait for a slower member (on GPU, only the host-side time of launching the collectives).
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        """Seconds accumulated so far."""
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        """Add the wall time of the block to :attr:`seconds`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 class BufferPool:
@@ -74,6 +97,8 @@ class CPGroup:
     """Process group of each Ulysses block (``ranks[p*u:(p+1)*u]``)."""
     buffers: BufferPool = field(default_factory=BufferPool)
     """Communication buffers shared by the calls on this handle's cache."""
+    clock: CommClock = field(default_factory=CommClock)
+    """Accumulates the time spent in this handle's collectives (shared by the handles of one cache)."""
 
     @property
     def degree(self) -> int:
@@ -117,6 +142,8 @@ class GroupCache:
         self.backend = backend
         self._pgs: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.buffers = BufferPool()
+        self.clock = CommClock()
+        """Time spent in the collectives of every handle of this cache."""
         self.created = 0
         """Process groups created so far by this cache."""
 
@@ -157,4 +184,4 @@ class GroupCache:
                 if block not in self._pgs:
                     raise KeyError(f"Ulysses block {block} was not prepared: call GroupCache.prepare on every rank")
                 pgs[block] = self._pgs[block]
-        return CPGroup(ranks, ulysses, ring, pgs, self.buffers)
+        return CPGroup(ranks, ulysses, ring, pgs, self.buffers, self.clock)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_hydra.cp.groups import BufferPool
+from lightning_hydra.cp.groups import BufferPool, CommClock
 from lightning_hydra.cp.kernels import AttentionKernel
 
 __all__ = ["RingLayout", "ring_attention"]
@@ -144,6 +144,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         kernel: AttentionKernel,
         pool: BufferPool,
+        clock: CommClock,
     ) -> torch.Tensor:
         r, p = layout.ring, layout.pos
         hkv = k.shape[0]
@@ -166,21 +167,22 @@ class _RingAttention(torch.autograd.Function):
                         out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)
                         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
                     _merge(out, lse, step.q_rows, o, lo)
-            for work in pending:
-                work.wait()
+            with clock.measure():
+                for work in pending:
+                    work.wait()
             cur, nxt = nxt, cur
         if out is None:  # nothing visible anywhere (cannot happen for real sequences)
             out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, peers, causal, scale, kernel, pool)
+        ctx.args = (layout, peers, causal, scale, kernel, pool, clock)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        layout, peers, causal, scale, kernel, pool = ctx.args
+        layout, peers, causal, scale, kernel, pool, clock = ctx.args
         r, p = layout.ring, layout.pos
         hkv = k.shape[0]
         nxt_rank, prv_rank = peers[(p + 1) % r], peers[(p - 1) % r]
@@ -214,15 +216,17 @@ class _RingAttention(torch.autograd.Function):
                 _add(dkv[hkv:], step.k_rows, dv_s)
             if r > 1:
                 # the accumulator travels with its block; after the last step it reaches the block's owner
-                for work in _exchange(dkv, dkv_in, nxt_rank, prv_rank):
-                    work.wait()
+                with clock.measure():
+                    for work in _exchange(dkv, dkv_in, nxt_rank, prv_rank):
+                        work.wait()
                 dkv, dkv_in = dkv_in, dkv
-            for work in pending:
-                work.wait()
+            with clock.measure():
+                for work in pending:
+                    work.wait()
             cur, nxt = nxt, cur
         dk = dkv[:hkv].to(k.dtype, copy=True)
         dv = dkv[hkv:].to(v.dtype, copy=True)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -236,6 +240,7 @@ def ring_attention(
     scale: float,
     kernel: AttentionKernel,
     pool: BufferPool,
+    clock: CommClock | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``peers`` (global ranks in ring order) on a ring-level zigzag shard.
 
@@ -249,11 +254,12 @@ def ring_attention(
         scale: Softmax scale.
         kernel: The attention kernel.
         pool: Communication buffers.
+        clock: Accumulates the time spent waiting for transfers (default: a throw-away clock).
 
     Returns:
         ``[t, H, D]`` attention output for the local queries.
     """
     # work head-major inside: the CPU kernel reads [heads, tokens, dim] fastest
     heads_first = [x.transpose(0, 1).contiguous() for x in (q, k, v)]
-    out = _RingAttention.apply(*heads_first, layout, peers, causal, scale, kernel, pool)
+    out = _RingAttention.apply(*heads_first, layout, peers, causal, scale, kernel, pool, clock or CommClock())
     return out.transpose(0, 1).contiguous()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_hydra.cp.groups import CommClock
 from lightning_hydra.cp.layout import ZigzagMeta
 
 __all__ = ["gathered_order", "ulysses_gather", "ulysses_scatter"]
@@ -21,19 +22,23 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` over dim 0 split in equal parts; its adjoint is the same all-to-all."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, group: dist.ProcessGroup | None, clock: CommClock
+    ) -> torch.Tensor:
+        ctx.group, ctx.clock = group, clock
         x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
+        with clock.measure():
+            dist.all_to_all_single(out, x, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         grad = grad.contiguous()
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+        with ctx.clock.measure():
+            dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None, None
 
 
 def gathered_order(meta: ZigzagMeta, ulysses: int) -> torch.Tensor:
@@ -52,16 +57,26 @@ def gathered_order(meta: ZigzagMeta, ulysses: int) -> torch.Tensor:
     return torch.cat(order) if order else torch.zeros(0, dtype=torch.int64)
 
 
-def ulysses_gather(x: torch.Tensor, group: dist.ProcessGroup | None, ulysses: int, order: torch.Tensor) -> torch.Tensor:
+def ulysses_gather(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    ulysses: int,
+    order: torch.Tensor,
+    clock: CommClock | None = None,
+) -> torch.Tensor:
     """``[t, H, D]`` member shard -> ``[u * t, H / u, D]`` ring-level shard for this member's head slice."""
     t, heads, dim = x.shape
     parts = x.view(t, ulysses, heads // ulysses, dim).transpose(0, 1)  # [u, t, H/u, D]: part i goes to member i
-    received = _AllToAll.apply(parts, group)  # [u, t, H/u, D]: part i came from member i
+    received = _AllToAll.apply(parts, group, clock or CommClock())  # [u, t, H/u, D]: part i came from member i
     return received.reshape(ulysses * t, heads // ulysses, dim).index_select(0, order.to(x.device))
 
 
 def ulysses_scatter(
-    y: torch.Tensor, group: dist.ProcessGroup | None, ulysses: int, order: torch.Tensor
+    y: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    ulysses: int,
+    order: torch.Tensor,
+    clock: CommClock | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`ulysses_gather`: ``[u * t, H / u, D]`` -> ``[t, H, D]``."""
     rows, heads_part, dim = y.shape
@@ -69,5 +84,6 @@ def ulysses_scatter(
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), dtype=order.dtype)
     back = y.index_select(0, inverse.to(y.device))
-    received = _AllToAll.apply(back.view(ulysses, t, heads_part, dim), group)  # part i: my tokens, heads slice i
+    # part i: my tokens, heads slice i
+    received = _AllToAll.apply(back.view(ulysses, t, heads_part, dim), group, clock or CommClock())
     return received.transpose(0, 1).reshape(t, ulysses * heads_part, dim)
