@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -18,7 +20,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
 from lightning_hydra.cp import CPContext, CPGroup, GroupCache, apply_cp, remove_cp
+from lightning_hydra.metrics.record import StepGather, StepRecord, step_row
 from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlannerConfig, shard_tokens
+from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator
 
 __all__ = ["HydraStrategy", "SingleProcessPlanner", "check_digests", "check_pool"]
 
@@ -84,6 +88,9 @@ class HydraStrategy(DDPStrategy):
         max_ring: int | None = None,
         cost: CostModel | None = None,
         kernel: str = "auto",
+        calibrate: bool = False,
+        calibration: CostCalibrator | None = None,
+        monitor: Any = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -102,6 +109,11 @@ class HydraStrategy(DDPStrategy):
         max_ring: Cap on the ring degree (``None``: none).
         cost: Cost model of the planner (``None``: from the model's shape, see ``HydraModule.cost_model``).
         kernel: Attention kernel: ``"auto"``, ``"cpu"`` or ``"flash"``.
+        calibrate: Refit the cost model's compute coefficients every step from the measured busy times of all
+            ranks (closed loop); the next plans use them, and checkpoints carry them.
+        calibration: Settings of the refit (window, ridge, guards); default ``CostCalibrator()``.
+        monitor: ``True`` adds a :class:`~lightning_hydra.BubbleMonitor` unless the trainer has one, a
+            ``BubbleMonitor`` instance is added as given, ``False`` adds none (measurements are still gathered).
         accelerator: See ``DDPStrategy``.
         parallel_devices: See ``DDPStrategy``.
         cluster_environment: See ``DDPStrategy``.
@@ -136,6 +148,14 @@ class HydraStrategy(DDPStrategy):
         self.group_cache: GroupCache | None = None
         self._cost: CostModel | None = cost
         self._wrapped = 0
+        self.calibrate = calibrate
+        self.calibrator = calibration if calibration is not None else CostCalibrator()
+        self.monitor = monitor
+        self.last_record: StepRecord | None = None
+        """Every rank's measurements of the last training step (the same on every rank)."""
+        self._gathers: dict[int, StepGather] = {}
+        self.measure_seconds = 0.0
+        """Wall seconds the last :meth:`finish_step` took (gathering and calibration: the cost of measuring)."""
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -181,6 +201,18 @@ class HydraStrategy(DDPStrategy):
                 f"{heads} attention heads cannot be split over ulysses_degree={self.planner_config.max_ulysses}"
             )
         rank_zero_info(f"HydraStrategy: {self._wrapped} attention modules route through the CP engine")
+        self._add_monitor(model)
+
+    def _add_monitor(self, model: pl.LightningModule) -> None:
+        from lightning_hydra.metrics.monitor import BubbleMonitor
+
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or self.monitor is False:
+            return
+        if any(isinstance(c, BubbleMonitor) for c in trainer.callbacks):
+            return
+        monitor = self.monitor if isinstance(self.monitor, BubbleMonitor) else BubbleMonitor()
+        trainer.callbacks.append(monitor)
 
     @override
     def teardown(self) -> None:
@@ -233,7 +265,73 @@ class HydraStrategy(DDPStrategy):
                 "max_tokens_per_rank, add ranks, or set HydraDataModule(max_seq_len=..., truncate=True)"
             )
 
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint["hydra"] = {"cost_model": self.cost_model.to_dict(), "calibrator": self.calibrator.state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get("hydra")
+        if saved is not None and self.calibrate:
+            self._cost = CostModel.from_dict(saved["cost_model"])
+            self.calibrator.load_state_dict(saved["calibrator"])
+            rank_zero_info("HydraStrategy: restored the calibrated cost model from the checkpoint")
+        return checkpoint
+
     # ------------------------------------------------------------------ per step
+    @property
+    def timer_includes_comm(self) -> bool:
+        """Whether measured busy time includes communication (CUDA events) rather than excluding it (CPU time)."""
+        return self.root_device.type == "cuda"
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More ranks on this host than CPU cores (CPU runs only): wall clocks then measure time slicing."""
+        if self.root_device.type == "cuda":
+            return False
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return self.num_processes > cores
+
+    def finish_step(self, batch: Any, busy: list[float], comm: list[float], wall: float, step: int) -> StepRecord:
+        """Gather every rank's measurements of a training step (one collective, via torchmetrics) and, with
+        ``calibrate``, refit the cost model from them, identically on every rank.
+
+        Args:
+            batch: The step's :class:`~lightning_hydra.data.packing.StepBatch`.
+            busy: This rank's busy seconds per microbatch.
+            comm: This rank's seconds in CP collectives per microbatch.
+            wall: This rank's wall seconds of the step.
+            step: The global step.
+
+        Returns:
+            The gathered :class:`StepRecord` (also kept as :attr:`last_record`).
+        """
+        start = time.perf_counter()
+        row = step_row(batch, busy, comm, wall, includes_comm=self.timer_includes_comm)
+        gather = self._gathers.get(row.size)
+        if gather is None:
+            gather = self._gathers[row.size] = StepGather(self.world_size, row.size)
+        gather.reset()
+        gather.update(self.global_rank, row)
+        table = gather.compute().cpu().numpy()
+        record = StepRecord.from_table(
+            table,
+            step=step,
+            num_microbatches=len(busy),
+            trained_tokens=batch.trained_tokens,
+            includes_comm=self.timer_includes_comm,
+        )
+        if self.calibrate:
+            features = record.features.reshape(-1, NUM_FEATURES)
+            self.calibrator.add(features, record.busy.ravel(), includes_comm=record.includes_comm)
+            self._cost = self.calibrator.refit(self.cost_model)
+        self.last_record = record
+        self.measure_seconds = time.perf_counter() - start
+        return record
+
     def begin_step(self, digest: str, groups: Any) -> None:
         """Check that every rank holds the same plan, then prepare its groups' communicators (collectively)."""
         check_digests(digest, self.world_size)
@@ -310,6 +408,17 @@ class SingleProcessPlanner:
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """Nothing to reduce with one process."""
+
+    def finish_step(self, batch: Any, busy: list[float], comm: list[float], wall: float, step: int) -> StepRecord:
+        """This process's measurements as a one-rank :class:`StepRecord`."""
+        row = step_row(batch, busy, comm, wall, includes_comm=False)
+        return StepRecord.from_table(
+            row[None, :],
+            step=step,
+            num_microbatches=len(busy),
+            trained_tokens=batch.trained_tokens,
+            includes_comm=False,
+        )
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """The value itself."""

@@ -18,6 +18,7 @@ from lightning_hydra.data.batching import global_batches
 from lightning_hydra.data.corpus import PAD_ID, StdlibCorpus
 from lightning_hydra.data.packing import StepBatch, pack_rank, trained_tokens
 from lightning_hydra.planner import Plan
+from lightning_hydra.planner.calibration import bin_features
 
 __all__ = ["HydraDataModule"]
 
@@ -193,7 +194,13 @@ class HydraDataModule(pl.LightningDataModule):
         rank = planner.global_rank
         sequences = [source.item(int(i)) for i in indices]
         micro = pack_rank(sequences, plan, rank, self.pad_id, dataset_ids=indices.tolist())
-        loads = plan.loads(planner.cost_model)[:, rank]
+        cost = planner.cost_model
+        loads = plan.loads(cost)[:, rank]
+        features = []
+        for m in range(plan.num_microbatches):
+            g = plan.group_of(m, rank)
+            f = bin_features(cost, [plan.lengths[i] for i in g.seq_ids], g.ulysses, g.ring)
+            features.append(tuple(float(x) for x in f))
         groups = tuple(sorted({(g.ranks, g.ulysses, g.ring) for mb in plan.microbatches for g in mb}))
         return StepBatch(
             epoch=epoch,
@@ -204,6 +211,7 @@ class HydraDataModule(pl.LightningDataModule):
             groups=groups,
             schedule_ms=elapsed,
             predicted_loads=tuple(float(x) for x in loads),
+            features=tuple(features),
         )
 
     # ------------------------------------------------------------------ resume

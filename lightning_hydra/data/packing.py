@@ -69,6 +69,9 @@ class StepBatch:
     """Wall time of planning this global batch."""
     predicted_loads: tuple[float, ...] = ()
     """The cost model's prediction of this rank's time in every microbatch."""
+    features: tuple[tuple[float, ...], ...] = ()
+    """Calibration features of this rank's work in every microbatch (see
+    :func:`lightning_hydra.planner.calibration.bin_features`)."""
 
 
 def trained_tokens(lengths: Sequence[int]) -> int:

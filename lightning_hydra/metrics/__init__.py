@@ -1,6 +1,23 @@
-"""Measurements of training: per-microbatch busy time and the projected pipeline bubble."""
+"""Measurements of training: busy and communication time, the step metrics, the projected pipeline bubble, and
+the :class:`BubbleMonitor` callback that logs them."""
 
 from lightning_hydra.metrics.bubbles import one_f_one_b_order, pipeline_bubble
+from lightning_hydra.metrics.loads import balance, bubble_dp, degree_histogram, replay_step_time, step_metrics
+from lightning_hydra.metrics.monitor import BubbleMonitor
+from lightning_hydra.metrics.record import StepGather, StepRecord
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
 
-__all__ = ["MicrobatchTimer", "StepTiming", "one_f_one_b_order", "pipeline_bubble"]
+__all__ = [
+    "BubbleMonitor",
+    "MicrobatchTimer",
+    "StepGather",
+    "StepRecord",
+    "StepTiming",
+    "balance",
+    "bubble_dp",
+    "degree_histogram",
+    "one_f_one_b_order",
+    "pipeline_bubble",
+    "replay_step_time",
+    "step_metrics",
+]

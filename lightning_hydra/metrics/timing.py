@@ -20,8 +20,10 @@ class StepTiming:
 
     busy: list[float] = field(default_factory=list)
     """Busy seconds of every microbatch (0 for an idle one)."""
+    comm: list[float] = field(default_factory=list)
+    """Seconds inside CP collectives in every microbatch (waits on slower members included)."""
     wall: float = 0.0
-    """Wall seconds of the whole step on this rank."""
+    """Wall seconds of the whole step on this rank (from the plan check to the end of the gradient sum)."""
 
     @property
     def total_busy(self) -> float:

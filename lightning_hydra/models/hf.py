@@ -110,6 +110,7 @@ class HFCausalLM(HydraModule):
             warmup_steps=warmup_steps,
             max_grad_norm=max_grad_norm,
             optimizer=optimizer,
+            flops_per_second=flops_per_second,
         )
         if model is None:
             if config is None:

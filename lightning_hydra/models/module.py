@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import RankMicrobatch, StepBatch
+from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
 from lightning_hydra.planner import CostModel
 
@@ -70,6 +71,8 @@ class HydraModule(pl.LightningModule):
         """The context attention layers use without a HydraStrategy (degree 1)."""
         self.last_timing = StepTiming()
         """Busy time of every microbatch of the last step on this rank (forward + backward)."""
+        self.last_record: StepRecord | None = None
+        """Every rank's measurements of the last training step (gathered; the same on every rank)."""
 
     # ------------------------------------------------------------------ to implement
     def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
@@ -107,25 +110,28 @@ class HydraModule(pl.LightningModule):
         return strategy.cp if isinstance(strategy, HydraStrategy) else self.local_cp
 
     def _run_microbatches(self, batch: StepBatch, train: bool) -> torch.Tensor:
+        """Forward (and backward) of every microbatch; returns the global batch's mean token loss. Records the
+        busy and communication time of every microbatch in :attr:`last_timing` (its ``wall`` is the caller's)."""
         runtime = self._runtime()
-        runtime.begin_step(batch.digest, batch.groups)
         context = self._context()
         timer = MicrobatchTimer(self.device)
         timing = StepTiming()
-        wall = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in batch.microbatches:
             if mb.num_tokens == 0:
                 timing.busy.append(0.0)  # this rank's group is idle in this microbatch
+                timing.comm.append(0.0)
                 continue
+            group = runtime.group(mb.ranks, mb.ulysses, mb.ring)
+            comm = group.clock.seconds
             token = timer.start()
-            with context.use(runtime.group(mb.ranks, mb.ulysses, mb.ring), mb.cu_seqlens):
+            with context.use(group, mb.cu_seqlens):
                 loss_sum = self.microbatch_loss(mb)
             if train:
                 self.manual_backward(loss_sum / batch.trained_tokens)
             timing.busy.append(timer.stop(token))
+            timing.comm.append(group.clock.seconds - comm)
             total += loss_sum.detach().double()
-        timing.wall = time.perf_counter() - wall
         self.last_timing = timing
         return runtime.all_sum(total) / max(batch.trained_tokens, 1)
 
@@ -134,8 +140,15 @@ class HydraModule(pl.LightningModule):
     def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
+        runtime = self._runtime()
+        runtime.begin_step(batch.digest, batch.groups)  # synchronises the pool: the step's wall clock starts here
+        start = time.perf_counter()
         loss = self._run_microbatches(batch, train=True)
-        self._runtime().reduce_gradients(self)
+        runtime.reduce_gradients(self)
+        self.last_timing.wall = time.perf_counter() - start
+        self.last_record = runtime.finish_step(
+            batch, self.last_timing.busy, self.last_timing.comm, self.last_timing.wall, int(self.global_step)
+        )
         if self.max_grad_norm:
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
@@ -149,6 +162,7 @@ class HydraModule(pl.LightningModule):
 
     @override
     def validation_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
+        self._runtime().begin_step(batch.digest, batch.groups)
         loss = self._run_microbatches(batch, train=False)
         self.log("val/loss", loss.float(), prog_bar=True, batch_size=1, sync_dist=True)  # equal on all ranks
         return loss

@@ -1,0 +1,193 @@
+"""``BubbleMonitor``: logs the bubble, balance, planning and cost-model metrics of every training step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_hydra.metrics.loads import step_metrics
+from lightning_hydra.metrics.record import StepRecord
+from lightning_hydra.planner.calibration import FITTED
+
+__all__ = ["RECORDS_FILE", "BubbleMonitor"]
+
+log = logging.getLogger(__name__)
+
+RECORDS_FILE = "hydra_steps.jsonl"
+"""File, in the run's log directory, holding one JSON line per step: its metrics and (some steps) the timeline."""
+
+_PROG_BAR = {"throughput/tokens_per_s": "tok/s", "bubble/dp": "dp_bubble"}
+
+
+class BubbleMonitor(Callback):
+    """Logs every metric of DESIGN.md section 6 each training step, through the trainer's loggers.
+
+    The measurements are gathered by the strategy (one collective per step, on every rank, through torchmetrics),
+    so every rank computes and logs the same values; this callback runs no collective of its own. Global rank 0
+    also appends each step to ``<log_dir>/hydra_steps.jsonl`` (the input of ``lightning-hydra report``) and, with a
+    TensorBoard logger, draws the rank x microbatch timeline as an image.
+    """
+
+    def __init__(
+        self,
+        *,
+        pipeline_stages: int = 4,
+        step_time: Literal["auto", "wall", "replay"] = "auto",
+        timeline_every_n_steps: int = 1,
+        records: bool = True,
+        dashboard: bool = False,
+        prog_bar: bool = True,
+    ) -> None:
+        """Args:
+        pipeline_stages: Pipeline depth ``P`` of the projected ``bubble/pp``.
+        step_time: Step time ``S`` of ``bubble/dp``: the measured wall time (``"wall"``), the replayed critical
+            path of the measured busy times (``"replay"``), or ``"auto"``: replay when the host runs more ranks
+            than it has cores (CPU runs), where wall time measures the operating system's time slicing.
+        timeline_every_n_steps: Keep the full rank x microbatch measurements (timeline) every this many steps.
+        records: Append every step to ``hydra_steps.jsonl`` in the first logger's directory (global rank 0; nothing
+            is written without a logger).
+        dashboard: Render the HTML dashboard into the log directory at the end of training (global rank 0).
+        prog_bar: Show tokens/s and the DP bubble in the progress bar.
+        """
+        if pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be positive, got {pipeline_stages}")
+        if step_time not in ("auto", "wall", "replay"):
+            raise ValueError(f"step_time must be auto, wall or replay, got {step_time!r}")
+        self.pipeline_stages = pipeline_stages
+        self.step_time = step_time
+        self.timeline_every_n_steps = max(1, timeline_every_n_steps)
+        self.records = records
+        self.dashboard = dashboard
+        self.prog_bar = prog_bar
+        self.history: list[dict[str, float]] = []
+        """The metrics of every step of this run (same on every rank)."""
+        self.overhead_seconds = 0.0
+        """Wall seconds of this callback's last step (its share of the measurement overhead)."""
+        self.records_path: Path | None = None
+        """Where the step records are written (global rank 0), once training started."""
+
+    # ------------------------------------------------------------------ helpers
+    def _replay(self, trainer: pl.Trainer) -> bool:
+        if self.step_time != "auto":
+            return self.step_time == "replay"
+        return bool(getattr(trainer.strategy, "oversubscribed", False))
+
+    @staticmethod
+    def log_dir(trainer: pl.Trainer) -> Path:
+        """The run's log directory (the first logger's, else the trainer's root directory).
+
+        ``Trainer.log_dir`` broadcasts from rank 0: call this on every rank.
+        """
+        path = trainer.log_dir if trainer.loggers else None
+        return Path(path or trainer.default_root_dir)
+
+    def _write(self, trainer: pl.Trainer, record: StepRecord, metrics: dict[str, float], loss: float | None) -> None:
+        assert self.records_path is not None
+        self.records_path.parent.mkdir(parents=True, exist_ok=True)
+        row: dict[str, Any] = {"step": record.step, "metrics": metrics, "loss": loss}
+        row["policy"] = getattr(getattr(trainer.strategy, "planner_config", None), "policy", "single")
+        row["step_time"] = "replay" if self._replay(trainer) else "wall"
+        if record.step % self.timeline_every_n_steps == 0:
+            row["record"] = record.to_json()
+        with open(self.records_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _tensorboard_timeline(self, trainer: pl.Trainer, record: StepRecord) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        boards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if not boards or record.step % self.timeline_every_n_steps:
+            return
+        from lightning_hydra.report.plots import timeline_figure
+
+        fig = timeline_figure(record.to_json(), title=f"step {record.step}")
+        for board in boards:
+            board.experiment.add_figure("hydra/timeline", fig, global_step=record.step)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.history = []
+        if not trainer.loggers:
+            self.records_path = None  # no logger, no log directory: nothing is written
+            return
+        self.records_path = self.log_dir(trainer) / RECORDS_FILE  # on every rank: log_dir is a collective
+        if trainer.is_global_zero and self.records and self.records_path.exists() and trainer.global_step == 0:
+            self.records_path.unlink()  # a fresh run in a reused directory; a resumed run appends
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        record: StepRecord | None = getattr(pl_module, "last_record", None)
+        if record is None:
+            return
+        start = time.perf_counter()
+        metrics = step_metrics(record, pipeline_stages=self.pipeline_stages, replay=self._replay(trainer))
+        strategy = trainer.strategy
+        measure = getattr(strategy, "measure_seconds", 0.0) + self.overhead_seconds
+        metrics["monitor/overhead"] = measure / metrics["time/step_s"] if metrics["time/step_s"] > 0 else 0.0
+        cost = getattr(strategy, "cost_model", None) if getattr(strategy, "calibrate", False) else None
+        if cost is not None:
+            for name in FITTED:
+                metrics[f"cost_model/{name}"] = float(getattr(cost, name))
+        self.history.append(metrics)
+        for name, value in metrics.items():
+            shown = self.prog_bar and name in _PROG_BAR
+            pl_module.log(name, float(value), on_step=True, on_epoch=False, batch_size=1, prog_bar=False)
+            if shown:
+                pl_module.log(
+                    _PROG_BAR[name],
+                    float(value),
+                    on_step=True,
+                    on_epoch=False,
+                    batch_size=1,
+                    prog_bar=True,
+                    logger=False,
+                )
+        if trainer.is_global_zero:
+            loss = trainer.callback_metrics.get("train/loss")
+            if self.records and self.records_path is not None:
+                self._write(trainer, record, metrics, None if loss is None else float(loss))
+            self._tensorboard_timeline(trainer, record)
+        self.overhead_seconds = time.perf_counter() - start
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info(self.summary(trainer))
+        if self.dashboard and trainer.is_global_zero and self.records_path is not None:
+            from lightning_hydra.report import render_report
+
+            out = render_report([self.records_path], self.records_path.parent / "dashboard")
+            rank_zero_info(f"lightning-hydra: dashboard written to {out}")
+
+    def summary(self, trainer: pl.Trainer | None = None) -> str:
+        """One line: tokens trained, median bubbles and balance, where the records are."""
+        if not self.history:
+            return "lightning-hydra: no training step was measured"
+
+        def median(name: str) -> float:
+            values = [h[name] for h in self.history if name in h and np.isfinite(h[name])]
+            return float(np.median(values)) if values else float("nan")
+
+        tokens = sum(h["throughput/tokens_per_s"] * h["time/step_s"] for h in self.history)
+        where = (
+            f"; records {self.records_path} (lightning-hydra report {self.records_path.parent})"
+            if (self.records_path)
+            else ""
+        )
+        return (
+            f"lightning-hydra: {len(self.history)} steps, {tokens:,.0f} tokens trained; median "
+            f"bubble/dp {median('bubble/dp'):.3f}, bubble/pp (P={self.pipeline_stages}) {median('bubble/pp'):.3f}, "
+            f"balance {median('balance/max_over_mean'):.3f}, {median('throughput/tokens_per_s'):,.0f} tokens/s"
+            f"{where}"
+        )

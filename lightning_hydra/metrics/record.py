@@ -1,0 +1,170 @@
+"""One optimizer step's measurements of every rank, gathered with torchmetrics.
+
+Each rank fills its own row of a :class:`StepGather` metric (``dist_reduce_fx="sum"`` over rows that are zero on
+every other rank), so ``compute()`` returns the same ``[N, K]`` table on every rank. :class:`StepRecord` unpacks it
+into arrays indexed ``[microbatch, rank]``; the metrics (:mod:`lightning_hydra.metrics.loads`), the calibration and
+the dashboard read nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torchmetrics import Metric
+
+from lightning_hydra.planner.calibration import NUM_FEATURES
+
+__all__ = ["StepGather", "StepRecord", "rank_row"]
+
+_PER_MB = 5 + NUM_FEATURES  # busy, comm, predicted, leader, degree, features...
+_TAIL = 2  # wall, schedule_ms
+
+
+@dataclass
+class StepRecord:
+    """What every rank measured in one optimizer step (identical on every rank after the gather)."""
+
+    step: int
+    """Global step (optimizer steps done before this one)."""
+    busy: np.ndarray
+    """``[M, N]`` busy seconds of rank ``n`` in microbatch ``m`` (0: idle)."""
+    comm: np.ndarray
+    """``[M, N]`` seconds spent inside CP collectives (waits on slower members included)."""
+    predicted: np.ndarray
+    """``[M, N]`` the planning cost model's prediction of ``busy``."""
+    leader: np.ndarray
+    """``[M, N]`` first global rank of each rank's group (ranks with the same leader synchronise)."""
+    degree: np.ndarray
+    """``[M, N]`` CP degree of each rank's group."""
+    features: np.ndarray
+    """``[M, N, F]`` calibration features (:func:`lightning_hydra.planner.calibration.bin_features`)."""
+    wall: np.ndarray
+    """``[N]`` wall seconds of the step on each rank (from the plan check to the end of the gradient sum)."""
+    schedule_ms: float
+    """Milliseconds the slowest rank spent planning this global batch."""
+    trained_tokens: int
+    """Labelled tokens of the global batch."""
+    includes_comm: bool
+    """Whether ``busy`` includes communication and waits (CUDA events) or excludes them (CPU thread time)."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """``M``."""
+        return int(self.busy.shape[0])
+
+    @property
+    def world_size(self) -> int:
+        """``N``."""
+        return int(self.busy.shape[1])
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (the dashboard's timeline input)."""
+        return {
+            "step": self.step,
+            "busy": self.busy.tolist(),
+            "comm": self.comm.tolist(),
+            "predicted": self.predicted.tolist(),
+            "leader": self.leader.astype(int).tolist(),
+            "degree": self.degree.astype(int).tolist(),
+            "wall": self.wall.tolist(),
+            "schedule_ms": self.schedule_ms,
+            "trained_tokens": self.trained_tokens,
+            "includes_comm": self.includes_comm,
+        }
+
+    @classmethod
+    def from_table(
+        cls, table: np.ndarray, *, step: int, num_microbatches: int, trained_tokens: int, includes_comm: bool
+    ) -> StepRecord:
+        """Unpack the gathered ``[N, K]`` table of :func:`rank_row` rows."""
+        n, m = table.shape[0], num_microbatches
+        per = table[:, : m * _PER_MB].reshape(n, m, _PER_MB).transpose(1, 0, 2)  # [M, N, K]
+        return cls(
+            step=step,
+            busy=per[..., 0].copy(),
+            comm=per[..., 1].copy(),
+            predicted=per[..., 2].copy(),
+            leader=per[..., 3].astype(np.int64),
+            degree=per[..., 4].astype(np.int64),
+            features=per[..., 5:].copy(),
+            wall=table[:, m * _PER_MB].copy(),
+            schedule_ms=float(table[:, m * _PER_MB + 1].max()),
+            trained_tokens=int(trained_tokens),
+            includes_comm=includes_comm,
+        )
+
+
+def rank_row(
+    busy: list[float],
+    comm: list[float],
+    predicted: list[float],
+    groups: list[tuple[int, int]],
+    features: np.ndarray,
+    wall: float,
+    schedule_ms: float,
+) -> np.ndarray:
+    """This rank's row of the gathered table: per microbatch ``busy, comm, predicted, leader, degree, features``,
+    then ``wall, schedule_ms``.
+
+    Args:
+        busy: Busy seconds per microbatch.
+        comm: Seconds in CP collectives per microbatch.
+        predicted: Predicted busy seconds per microbatch.
+        groups: ``(leader rank, degree)`` of this rank's group per microbatch.
+        features: ``[M, F]`` calibration features per microbatch.
+        wall: Wall seconds of the step.
+        schedule_ms: Milliseconds spent planning the global batch.
+    """
+    m = len(busy)
+    if not (len(comm) == len(predicted) == len(groups) == features.shape[0] == m):
+        raise ValueError("every per-microbatch input needs one entry per microbatch")
+    per = np.zeros((m, _PER_MB))
+    per[:, 0], per[:, 1], per[:, 2] = busy, comm, predicted
+    per[:, 3] = [g[0] for g in groups]
+    per[:, 4] = [g[1] for g in groups]
+    per[:, 5:] = features
+    return np.concatenate([per.ravel(), [wall, schedule_ms]])
+
+
+class StepGather(Metric):
+    """Gathers one row per rank into an ``[N, K]`` table, identical on every rank after :meth:`compute`.
+
+    Each rank writes its row into a zero table; the distributed reduction (a sum, ``dist_reduce_fx="sum"``) fills
+    in the other ranks' rows. Call :meth:`reset` before every step.
+    """
+
+    full_state_update = False
+
+    def __init__(self, world_size: int, row_size: int, **kwargs: Any) -> None:
+        """Args:
+        world_size: Ranks taking part (rows).
+        row_size: Values per row.
+        **kwargs: Passed to ``torchmetrics.Metric`` (for example ``process_group``).
+        """
+        super().__init__(**kwargs)
+        self.world_size = world_size
+        self.add_state("table", default=torch.zeros(world_size, row_size, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, rank: int, row: np.ndarray | torch.Tensor) -> None:  # type: ignore[override]
+        """Write this rank's row."""
+        self.table[rank] = torch.as_tensor(np.asarray(row), dtype=torch.float64)
+
+    def compute(self) -> torch.Tensor:  # type: ignore[override]
+        """The table of every rank's row."""
+        return self.table
+
+
+def step_row(batch: Any, busy: list[float], comm: list[float], wall: float, *, includes_comm: bool) -> np.ndarray:
+    """This rank's :func:`rank_row` for a :class:`~lightning_hydra.data.packing.StepBatch` and its measurements.
+
+    The prediction of ``busy`` is the plan's: the whole predicted load when the timer includes communication,
+    its compute part (load minus predicted communication) otherwise.
+    """
+    features = np.asarray(batch.features, dtype=np.float64).reshape(-1, NUM_FEATURES)
+    loads = np.asarray(batch.predicted_loads, dtype=np.float64)
+    predicted = loads if includes_comm else loads - features[:, -1]
+    groups = [(mb.ranks[0], len(mb.ranks)) for mb in batch.microbatches]
+    return rank_row(busy, comm, predicted.tolist(), groups, features, wall, batch.schedule_ms)

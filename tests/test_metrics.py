@@ -1,0 +1,132 @@
+"""Step metrics and calibration arithmetic (pure numpy; hand-worked cases)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_hydra.metrics import StepRecord, balance, bubble_dp, degree_histogram, replay_step_time, step_metrics
+from lightning_hydra.metrics.record import rank_row
+from lightning_hydra.planner import CostModel
+from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator, bin_features, predict, relative_error
+
+COST = CostModel.for_transformer(256, 4, 8, flops_per_second=1e12, intra_node_bandwidth=1e9)
+
+
+def test_balance_and_dp_bubble_hand_worked():
+    busy = np.array([[1.0, 2.0], [3.0, 0.0]])  # rank 0 busy 4 s, rank 1 busy 2 s
+    assert balance(busy) == pytest.approx(4 / 3)
+    assert bubble_dp(busy, step_time=5.0) == pytest.approx(1 - 3 / 5)
+
+
+def test_replay_waits_for_group_members():
+    # microbatch 0: ranks 0,1 separate groups (1 s, 3 s); microbatch 1: one group of both (2 s each).
+    busy = np.array([[1.0, 3.0], [2.0, 2.0]])
+    leader = np.array([[0, 1], [0, 0]])
+    assert replay_step_time(busy, leader) == pytest.approx(5.0)  # rank 0 waits 2 s for rank 1 before mb 1
+    leader_separate = np.array([[0, 1], [0, 1]])
+    assert replay_step_time(busy, leader_separate) == pytest.approx(5.0)
+    assert replay_step_time(np.array([[1.0, 3.0], [4.0, 1.0]]), leader_separate) == pytest.approx(5.0)
+    assert replay_step_time(np.array([[1.0, 3.0], [4.0, 1.0]]), leader) == pytest.approx(7.0)
+
+
+def _record(busy, leader, degree, features=None, wall=None) -> StepRecord:
+    busy = np.asarray(busy, dtype=float)
+    m, n = busy.shape
+    feats = np.zeros((m, n, NUM_FEATURES)) if features is None else np.asarray(features, dtype=float)
+    rows = [
+        rank_row(
+            list(busy[:, r]),
+            [0.1] * m,
+            list(busy[:, r] * 1.1),
+            [(int(leader[k][r]), int(degree[k][r])) for k in range(m)],
+            feats[:, r],
+            float(wall[r]) if wall is not None else 10.0,
+            3.0 + r,
+        )
+        for r in range(n)
+    ]
+    return StepRecord.from_table(np.stack(rows), step=7, num_microbatches=m, trained_tokens=1000, includes_comm=False)
+
+
+def test_record_round_trip_and_step_metrics():
+    busy = [[1.0, 3.0], [2.0, 2.0]]
+    leader = [[0, 1], [0, 0]]
+    degree = [[1, 1], [2, 2]]
+    feats = np.zeros((2, 2, NUM_FEATURES))
+    feats[..., 2] = 1  # every group holds a sequence
+    rec = _record(busy, leader, degree, feats, wall=[8.0, 10.0])
+    assert rec.busy.tolist() == busy and rec.leader.tolist() == leader and rec.degree.tolist() == degree
+    assert rec.schedule_ms == 4.0 and rec.wall.tolist() == [8.0, 10.0]
+    assert degree_histogram(rec) == {1: 2, 2: 1}
+    wall = step_metrics(rec, pipeline_stages=1)
+    assert wall["bubble/dp"] == pytest.approx(1 - 4 / 10)
+    assert wall["bubble/pp"] == pytest.approx(0.0)  # one stage: no pipeline bubble
+    assert wall["throughput/tokens_per_s"] == pytest.approx(100.0)
+    assert wall["cost_model/error"] == pytest.approx(0.1)
+    assert wall["cp/comm_ms"] == pytest.approx(200.0)
+    replay = step_metrics(rec, replay=True)
+    assert replay["bubble/dp"] == pytest.approx(1 - 4 / 5)
+    assert replay["bubble/pp"] == pytest.approx(0.6, abs=0.15)  # 2 microbatches, 4 stages (unequal times)
+
+
+def test_bin_features_reproduce_bin_time():
+    for lengths, u, r in [([4000, 700, 30], 2, 2), ([16000], 1, 4), ([50, 60], 4, 1), ([], 2, 1)]:
+        f = bin_features(COST, lengths, u, r)
+        assert predict(COST, f[None], includes_comm=True)[0] == pytest.approx(COST.bin_time(lengths, u, r), rel=1e-12)
+
+
+def _synthetic(true: CostModel, rng: np.random.Generator, n: int = 40, noise: float = 0.0):
+    feats, times = [], []
+    for _ in range(n):
+        lengths = rng.integers(64, 8192, size=rng.integers(1, 5))
+        u, r = [(1, 1), (2, 1), (2, 2), (4, 1)][rng.integers(0, 4)]
+        f = bin_features(true, lengths, u, r)
+        feats.append(f)
+        times.append(predict(true, f[None], includes_comm=False)[0] * (1 + noise * rng.standard_normal()))
+    return np.array(feats), np.array(times)
+
+
+def test_calibrator_recovers_a_three_x_wrong_coefficient():
+    rng = np.random.default_rng(0)
+    true = COST.replace(seq_overhead=2e-4)
+    wrong = true.replace(attn=3 * true.attn)
+    cal = CostCalibrator(window=4)
+    feats, times = _synthetic(true, rng, noise=0.02)
+    before = relative_error(predict(wrong, feats, includes_comm=False), times)
+    cal.add(feats, times, includes_comm=False)
+    fitted = cal.refit(wrong)
+    after = relative_error(predict(fitted, feats, includes_comm=False), times)
+    assert before > 0.5 and after < 0.03
+    assert fitted.attn == pytest.approx(true.attn, rel=0.1)
+    assert fitted.linear == pytest.approx(true.linear, rel=0.1)
+
+
+def test_calibrator_guards():
+    cal = CostCalibrator(min_rows=4)
+    assert cal.refit(COST) is COST  # no data
+    f = bin_features(COST, [1000], 1, 1)
+    cal.add(np.stack([f] * 2), np.array([1.0, 1.0]), includes_comm=False)
+    assert cal.refit(COST) is COST  # too few rows
+    # identical rows: only one direction is determined; the ridge keeps the others near the current values
+    cal = CostCalibrator()
+    t = predict(COST, f[None], includes_comm=False)[0]
+    cal.add(np.stack([f] * 10), np.full(10, 2 * t), includes_comm=False)
+    fitted = cal.refit(COST)
+    assert predict(fitted, f[None], includes_comm=False)[0] == pytest.approx(2 * t, rel=0.05)
+    assert fitted.seq_overhead >= 0
+    # a corrupt measurement that would move a coefficient more than max_change is refused
+    cal = CostCalibrator(max_change=2.0)
+    cal.add(np.stack([f] * 10), np.full(10, 1000 * t), includes_comm=False)
+    assert cal.refit(COST) is COST and cal.skipped == 1
+
+
+def test_calibrator_state_round_trip():
+    rng = np.random.default_rng(1)
+    feats, times = _synthetic(COST, rng, n=10)
+    cal = CostCalibrator(window=2)
+    for _ in range(3):
+        cal.add(feats, times, includes_comm=False)
+    other = CostCalibrator(window=2)
+    other.load_state_dict(cal.state_dict())
+    assert other.refit(COST.replace(linear=2 * COST.linear)) == cal.refit(COST.replace(linear=2 * COST.linear))
