@@ -1,0 +1,143 @@
+"""``render_report``: a self-contained HTML dashboard (and PNGs) from the step records of one or more runs."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_hydra.metrics.monitor import RECORDS_FILE
+from lightning_hydra.report.plots import SERIES, save, series_figure, timeline_figure
+
+__all__ = ["find_runs", "load_run", "render_report", "summary_table"]
+
+_SUMMARY = (
+    ("balance/max_over_mean", "balance max/mean", "{:.3f}"),
+    ("bubble/dp", "DP bubble", "{:.1%}"),
+    ("bubble/pp", "PP bubble (proj.)", "{:.1%}"),
+    ("throughput/tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("schedule/ms", "schedule ms", "{:.1f}"),
+    ("cost_model/error", "cost-model error", "{:.1%}"),
+    ("cp/comm_ms", "CP comm ms", "{:.0f}"),
+    ("monitor/overhead", "measuring overhead", "{:.2%}"),
+)
+
+
+def find_runs(paths: Sequence[str | Path]) -> list[Path]:
+    """Every ``hydra_steps.jsonl`` under the given files or directories (sorted)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            found.append(p)
+        elif p.is_dir():
+            found.extend(sorted(p.rglob(RECORDS_FILE)))
+    if not found:
+        raise FileNotFoundError(f"no {RECORDS_FILE} under {[str(p) for p in paths]}: was BubbleMonitor enabled?")
+    return found
+
+
+def load_run(path: Path) -> tuple[str, list[dict[str, Any]]]:
+    """``(name, rows)`` of one records file; the name is the policy and the run directory."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no step")
+    policy = rows[0].get("policy", "run")
+    return f"{policy} ({path.parent.name})", rows
+
+
+def summary_table(runs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    """Header and one row per run: the median of each summary metric over the run's steps."""
+    table = [["run", "steps"] + [label for _, label, _ in _SUMMARY]]
+    for name, rows in runs.items():
+        line = [name, str(len(rows))]
+        for metric, _, fmt in _SUMMARY:
+            values = [r["metrics"][metric] for r in rows if metric in r["metrics"]]
+            values = [v for v in values if v is not None and np.isfinite(v)]
+            line.append(fmt.format(float(np.median(values))) if values else "-")
+        table.append(line)
+    return table
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(path.stem)}">'
+
+
+_STYLE = """
+body { font-family: Helvetica, Arial, sans-serif; margin: 24px; color: #222; max-width: 1400px }
+h1 { font-size: 22px } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd }
+table { border-collapse: collapse; font-size: 13px }
+td, th { border: 1px solid #ccc; padding: 4px 8px; text-align: right }
+td:first-child, th:first-child { text-align: left } th { background: #f3f3f3 }
+.grid { display: flex; flex-wrap: wrap; gap: 8px } .grid img { width: 620px; border: 1px solid #eee }
+.timeline img { max-width: 900px; border: 1px solid #eee } p.note { font-size: 13px; color: #555; max-width: 900px }
+"""
+
+
+def render_report(paths: Sequence[str | Path], out_dir: str | Path, *, steps: Sequence[int] | None = None) -> Path:
+    """Render ``out_dir/index.html`` (self-contained: images inlined) and the PNGs it shows.
+
+    Args:
+        paths: Run directories (searched for ``hydra_steps.jsonl``) or records files; several runs are overlaid.
+        out_dir: Output directory (created).
+        steps: Steps whose rank x microbatch timeline is drawn (default: the last recorded timeline of each run).
+
+    Returns:
+        The path of the HTML page.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for path in find_runs(paths):
+        name, rows = load_run(path)
+        runs[name] = rows
+    series = []
+    for metric, title in SERIES:
+        png = out / f"{metric.replace('/', '_')}.png"
+        save(series_figure(runs, metric, title), png)
+        series.append(png)
+    timelines = []
+    for k, (name, rows) in enumerate(runs.items()):
+        recorded = [r for r in rows if "record" in r]
+        chosen = [r for r in recorded if steps is None or r["step"] in steps]
+        if steps is None and recorded:
+            chosen = [recorded[-1]]
+        for row in chosen:
+            png = out / f"timeline_{k}_step{row['step']}.png"
+            save(timeline_figure(row["record"], title=f"{name}: step {row['step']}"), png)
+            timelines.append(png)
+    table = summary_table(runs)
+    replayed = [name for name, rows in runs.items() if rows[-1].get("step_time") == "replay"]
+    replay_note = (
+        f'<p class="note">Runs {", ".join(html.escape(n) for n in replayed)} ran more ranks than CPU cores: their DP '
+        "bubble uses the step time replayed from the measured busy times (each rank on a core of its own), since the "
+        "wall clock there measures the operating system's time slicing.</p>"
+        if replayed
+        else ""
+    )
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in table[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table[1:])
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>lightning-hydra dashboard</title>
+<style>{_STYLE}</style></head><body>
+<h1>lightning-hydra dashboard</h1>
+<p class="note">{len(runs)} run(s). Medians over each run's steps. <b>DP bubble</b>: share of rank-time spent
+waiting in a step; <b>PP bubble</b>: the 1F1B bubble a pipeline of the configured depth would have with these
+microbatch times; <b>balance</b>: the busiest rank's busy time over the mean; <b>cost-model error</b>: relative
+error of the planner's predicted microbatch time.</p>
+<table><tr>{head}</tr>{body}</table>
+{replay_note}
+<h2>Over training</h2><div class="grid">{"".join(_img(p) for p in series)}</div>
+<h2>Rank x microbatch timelines</h2>
+<p class="note">Coloured: busy (forward + backward of a microbatch, labelled with its CP degree); hatched grey: waiting
+for the slowest rank before the step's gradient sum.</p>
+<div class="timeline">{"".join(_img(p) for p in timelines)}</div>
+</body></html>
+"""
+    index = out / "index.html"
+    index.write_text(page)
+    return index
