@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m lightning_hydra.demo
+	$(PY) -m lightning_hydra demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
