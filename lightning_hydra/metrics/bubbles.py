@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["one_f_one_b_order", "pipeline_bubble"]
+__all__ = ["one_f_one_b_order", "pipeline_bubble", "pipeline_makespan"]
 
 
 def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -40,6 +40,14 @@ def pipeline_bubble(times: Sequence[float], stages: int, backward_ratio: float =
     Returns:
         The share of stage-time spent idle, in ``[0, 1)``.
     """
+    makespan = pipeline_makespan(times, stages, backward_ratio)
+    useful = sum(times) / stages
+    return 0.0 if makespan == 0 else 1.0 - useful / makespan
+
+
+def pipeline_makespan(times: Sequence[float], stages: int, backward_ratio: float = 2.0) -> float:
+    """Duration of one 1F1B pipeline flush of ``stages`` stages for whole-model microbatch times ``times``
+    (each stage runs ``times[m] / stages``); see :func:`pipeline_bubble` for the arguments."""
     if stages < 1:
         raise ValueError(f"stages must be positive, got {stages}")
     if not times:
@@ -78,6 +86,4 @@ def pipeline_bubble(times: Sequence[float], stages: int, backward_ratio: float =
             progressed = True
         if not progressed:  # cannot happen for a valid 1F1B order; guard against an infinite loop
             raise RuntimeError("1F1B schedule deadlocked")
-    makespan = max(free)
-    useful = sum(times) / stages
-    return 0.0 if makespan == 0 else 1.0 - useful / makespan
+    return max(free)

@@ -1,0 +1,169 @@
+"""Scenarios: a model, hardware, a job shape and a workload, loaded from ``recipes/sim-*.yaml``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_hydra.planner import CostModel
+from lightning_hydra.sim.hardware import PRESETS, Hardware, ModelShape
+
+__all__ = ["Job", "Scenario", "Workload", "load_scenario"]
+
+
+@dataclass(kw_only=True)
+class Job:
+    """How the GPUs are used: ``pool = gpus / (tp * pp)`` ranks of one pipeline stage form the dynamic-CP pool."""
+
+    gpus: int
+    """Devices of the job."""
+    tp: int = 1
+    """Tensor-parallel size (inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel depth."""
+    max_tokens_per_rank: int
+    """Tokens one rank holds per microbatch (the planner's memory limit)."""
+    num_microbatches: int = 8
+    """Microbatches per optimizer step."""
+    state_bytes_per_param: float = 6.0
+    """Bytes of weights, gradients and optimizer state per parameter held by a rank (6: bf16 weights and fp32
+    gradients with a distributed optimizer at large data-parallel size)."""
+    activation_bytes_per_token_layer: float | None = None
+    """Activation memory per token per layer; default ``34 * hidden`` bytes over ``tp`` (flash attention,
+    sequence parallel: Korthikanti et al. 2022)."""
+    projected_stages: int = 4
+    """Pipeline depth of the projected ``bubble_pp`` when the job has no pipeline (``pp == 1``)."""
+
+    @property
+    def pool(self) -> int:
+        """Ranks of the dynamic-CP pool (data x context ranks of one pipeline stage)."""
+        return self.gpus // (self.tp * self.pp)
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """The global batches."""
+
+    distribution: str = "lognormal"
+    """``lognormal`` (a long-tailed mixture scaled to the context), ``stdlib`` (this Python's standard-library file
+    sizes) or ``corpus`` (the embedded corpus exactly as ``HydraDataModule`` batches it)."""
+    context: int = 32768
+    """Longest sequence."""
+    fill: float = 0.75
+    """Share of the pool's tokens a global batch fills (``lognormal``, ``stdlib``)."""
+    global_batch_tokens: int | None = None
+    """Tokens per global batch (``corpus``; default ``fill`` of the pool)."""
+    corpus_max_bytes: int = 8128
+    """Length filter of the embedded corpus (``corpus``)."""
+
+
+@dataclass(kw_only=True)
+class Scenario:
+    """Everything one simulation needs."""
+
+    name: str
+    """Label."""
+    model: ModelShape
+    """The model's shape."""
+    hardware: Hardware
+    """The device the truth times."""
+    job: Job
+    """The job's shape."""
+    workload: Workload = field(default_factory=Workload)
+    """The data."""
+    policies: list[str] = field(default_factory=lambda: ["static", "mcore", "hydra"])
+    """Policies compared on the same batches."""
+    steps: int = 8
+    """Global batches simulated."""
+    seed: int = 0
+    """Seed of the batches and of the planner's tie-breaking."""
+    calibrate: bool = True
+    """Refit the planner's cost model from the simulated measurements each step (and report the uncalibrated
+    throughput beside)."""
+    analytic_efficiency: float = 0.5
+    """Share of peak the planner's starting (analytic) cost model assumes for all work."""
+    planner: dict[str, Any] = field(default_factory=dict)
+    """Overrides of :meth:`CostModel.for_transformer` for the starting cost model (e.g. a recorded run's)."""
+    ranks_per_node: int | None = None
+    """Ranks per node of the pool (default: devices per node over ``tp``)."""
+
+    def starting_cost(self) -> CostModel:
+        """The planner's analytic cost model before any calibration."""
+        hw = self.hardware
+        args: dict[str, Any] = {
+            "flops_per_second": hw.peak_flops * self.analytic_efficiency * self.job.tp,
+            "bytes_per_element": self.model.bytes_per_element,
+            "intra_node_bandwidth": hw.intra_node_bandwidth,
+            "inter_node_bandwidth": hw.inter_node_bandwidth,
+        }
+        args.update(self.planner)
+        shape = self.model.cost_model_args()
+        # a pipeline stage holds layers / pp of the model: scale the per-layer coefficients
+        shape["num_layers"] = max(1, self.model.num_layers // self.job.pp)
+        return CostModel.for_transformer(**shape, **args)
+
+    def node_size(self) -> int:
+        """Ranks of the pool per node."""
+        return self.ranks_per_node or max(1, self.hardware.gpus_per_node // self.job.tp)
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    types = {f.name: str(f.type) for f in fields(cls)}
+    unknown = set(values) - set(types)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(types)})")
+    out = dict(values)
+    for name, value in values.items():
+        # YAML 1.1 reads 6.07e10 (no dot before the exponent sign) as a string: take it as the number it means
+        if isinstance(value, str) and types[name].split(" ")[0] in ("float", "int"):
+            try:
+                out[name] = float(value) if types[name].startswith("float") else int(float(value))
+            except ValueError:
+                raise ValueError(f"{where}: {name} must be a number, got {value!r}") from None
+    return cls(**out)
+
+
+def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
+    """Read a ``sim-*.yaml`` recipe.
+
+    The ``hardware`` section names a preset (``preset: h100``) and overrides any of its constants, or gives every
+    constant. ``overrides`` replace top-level fields (``steps``) or, as ``"job.gpus"``-style keys, fields of a
+    section.
+    """
+    raw = yaml.safe_load(Path(path).read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a scenario mapping")
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, _, name = key.rpartition(".")
+        (raw.setdefault(section, {}) if section else raw)[name] = value
+    hw_raw = dict(raw.pop("hardware"))
+    preset = hw_raw.pop("preset", None)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"{path}: unknown hardware preset {preset!r} (known: {sorted(PRESETS)})")
+        hardware = PRESETS[preset].replace(**hw_raw)
+    else:
+        hardware = _build(Hardware, hw_raw, f"{path}: hardware")
+    scenario = _build(
+        Scenario,
+        {
+            **{k: v for k, v in raw.items() if k != "planner"},
+            "planner": {k: float(v) if isinstance(v, str) else v for k, v in raw.get("planner", {}).items()},
+            "hardware": hardware,
+            "model": _build(ModelShape, raw["model"], f"{path}: model"),
+            "job": _build(Job, raw["job"], f"{path}: job"),
+            "workload": _build(Workload, raw.get("workload", {}), f"{path}: workload"),
+        },
+        str(path),
+    )
+    job = scenario.job
+    if job.gpus % (job.tp * job.pp):
+        raise ValueError(f"{path}: {job.gpus} GPUs do not split into tp={job.tp} x pp={job.pp}")
+    if scenario.model.num_heads % job.tp or scenario.model.num_kv_heads % job.tp:
+        raise ValueError(f"{path}: heads do not split over tp={job.tp}")
+    return scenario
