@@ -106,3 +106,31 @@ def test_calibration_converges_from_a_three_x_wrong_start_and_survives_resume(tm
     # resume: the calibrated model comes back from the checkpoint, not the wrong one given to the strategy
     resumed = _fit(tmp_path, "resume", 22, wrong, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed[0]["start"] == runs[0]["end"]
+
+
+def test_single_process_run_draws_the_timeline_into_tensorboard(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = BubbleMonitor(pipeline_stages=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[monitor],
+    )
+    trainer.fit(_model(), HydraDataModule(_dataset()[:10], global_batch_tokens=2000, seed=0))
+    assert len(monitor.history) == 2
+    assert all(h["balance/max_over_mean"] == pytest.approx(1.0) for h in monitor.history)  # one rank
+    events = EventAccumulator(str(next((tmp_path / "tb").glob("version_*"))), size_guidance={"images": 0})
+    events.Reload()
+    assert "hydra/timeline" in events.Tags()["images"]
+    assert "bubble/dp" in events.Tags()["scalars"]
+    assert "2 steps" in monitor.summary()
