@@ -30,7 +30,8 @@ test: lint
 bench: $(STAMP)
 	$(PY) -m lightning_hydra.bench.schedule --full
 	$(PY) -m lightning_hydra.bench.cp
-	$(PY) -m lightning_hydra.bench.train
+	$(PY) -m lightning_hydra compare
+	$(PY) -m lightning_hydra simulate --config recipes/sim-cpu-demo.yaml --validate runs/compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -130,3 +130,25 @@ def test_calibrator_state_round_trip():
     other = CostCalibrator(window=2)
     other.load_state_dict(cal.state_dict())
     assert other.refit(COST.replace(linear=2 * COST.linear)) == cal.refit(COST.replace(linear=2 * COST.linear))
+
+
+def test_calibrator_scales_communication_when_the_timer_includes_it():
+    rng = np.random.default_rng(2)
+    start = COST.replace(seq_overhead=1e-4)
+    true = start.replace(intra_node_bandwidth=start.intra_node_bandwidth / 2)  # communication twice as slow
+    cal = CostCalibrator()
+    feats, times, bins, degrees = [], [], [], []
+    for _ in range(60):
+        lengths = rng.integers(256, 8192, size=rng.integers(1, 4))
+        u = int(rng.choice([1, 2, 4]))  # Ulysses only: communication linear in 1 / bandwidth
+        bins.append(lengths)
+        degrees.append(u)
+        feats.append(bin_features(start, lengths, u, 1))
+        times.append(true.bin_time(lengths, u, 1))
+    feats, times = np.array(feats), np.array(times)
+    cal.add(feats, times, includes_comm=True)
+    fitted = cal.refit(start)
+    assert cal.comm_scale == pytest.approx(2.0, rel=0.05)
+    assert fitted.intra_node_bandwidth == pytest.approx(true.intra_node_bandwidth, rel=0.05)
+    refeatured = np.array([bin_features(fitted, f, u, 1) for f, u in zip(bins, degrees, strict=True)])
+    assert relative_error(predict(fitted, refeatured, includes_comm=True), times) < 0.01

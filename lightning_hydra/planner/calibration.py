@@ -12,8 +12,10 @@ fitted coefficients::
 with ``d_eff`` the tile-bounded effective degree of :meth:`CostModel.effective_degree`. The two latencies are the
 fixed per-bin costs of CP (collective launches, the engine's per-step work), which a CPU timer sees as busy time.
 The last feature is the bin's bandwidth-bound communication as the current model predicts it (exposed ring
-traffic, all-to-all volume); it is not refitted, and is part of the measured time only where the device's timer
-includes communication (CUDA events).
+traffic, all-to-all volume). Where the device's timer includes communication (CUDA events) the fit also scales it:
+one factor on the predicted communication, applied to the model as bandwidths divided by that factor (an
+approximation: exposure is not linear in bandwidth). A CPU thread timer excludes communication, and the factor
+stays 1.
 
 The fit is a relative least-squares over a sliding window of steps, in column-normalised coordinates, with a ridge
 pulling towards the current coefficients: directions the data does not determine (for example ``seq_overhead``
@@ -94,6 +96,9 @@ class CostCalibrator:
     max_change: float = 100.0
     """Largest factor by which one refit may move a coefficient (a guard against a corrupt measurement)."""
     _rows: deque = field(default_factory=deque, init=False, repr=False)
+    comm_scale: float = field(default=1.0, init=False)
+    """Fitted factor on communication time relative to the bandwidths of the first model refitted."""
+    _bandwidths: tuple[float, float] | None = field(default=None, init=False, repr=False)
     refits: int = field(default=0, init=False)
     """Refits applied so far."""
     skipped: int = field(default=0, init=False)
@@ -104,8 +109,9 @@ class CostCalibrator:
         f = np.asarray(features, dtype=np.float64).reshape(-1, NUM_FEATURES)
         t = np.asarray(times, dtype=np.float64).ravel()
         busy = (t > 0) & (f[:, 2] > 0)
-        target = t[busy] - (f[busy, -1] if includes_comm else 0.0)
-        self._rows.append((f[busy, : len(FITTED)], t[busy], target))
+        # communication in the units of the first model (later rows were planned with rescaled bandwidths)
+        comm = f[busy, -1] / self.comm_scale if includes_comm else np.zeros(int(busy.sum()))
+        self._rows.append((f[busy, : len(FITTED)], t[busy], comm))
         while len(self._rows) > self.window:
             self._rows.popleft()
 
@@ -114,21 +120,23 @@ class CostCalibrator:
         cannot support a fit)."""
         if not self._rows:
             return cost
-        x = np.concatenate([r[0] for r in self._rows])
+        if self._bandwidths is None:
+            self._bandwidths = (cost.intra_node_bandwidth, cost.inter_node_bandwidth)
+        x = np.concatenate([np.column_stack([r[0], r[2]]) for r in self._rows])  # fitted features, communication
         t = np.concatenate([r[1] for r in self._rows])
-        y = np.concatenate([r[2] for r in self._rows])
         if len(t) < self.min_rows:
             return cost
         w = 1.0 / t  # relative errors: a short microbatch counts as much as a long one
         a = x * w[:, None]
-        b = y * w
+        b = t * w
         norms = np.linalg.norm(a, axis=0)
-        theta0 = np.array([getattr(cost, name) for name in FITTED])
+        theta0 = np.array([*(getattr(cost, name) for name in FITTED), self.comm_scale])
         theta = theta0.copy()
         free = norms > 0  # a feature absent from the window leaves its coefficient alone
+        rates = np.isin(np.arange(len(theta)), (0, 1, len(FITTED)))  # attn, linear, communication: positive
         # active set: a coefficient the unconstrained fit drives below zero is pinned (rates at their current
         # value, overheads at zero) and the others are refitted without it
-        for _ in range(len(FITTED)):
+        for _ in range(len(theta)):
             if not free.any():
                 break
             pinned = ~free
@@ -142,22 +150,30 @@ class CostCalibrator:
                 return cost
             sol, *_ = np.linalg.lstsq(design, rhs, rcond=None)
             theta[free] = sol / norms[free]
-            negative = free & (theta < 0) | free & (np.arange(len(FITTED)) < 2) & (theta <= 0)
+            negative = free & (theta < 0) | free & rates & (theta <= 0)
             if not negative.any():
                 break
-            theta[negative] = np.where(np.arange(len(FITTED)) < 2, theta0, 0.0)[negative]
+            theta[negative] = np.where(rates, theta0, 0.0)[negative]
             free &= ~negative
-        low, high = theta0[:2] / self.max_change, theta0[:2] * self.max_change
-        if np.any(theta[:2] <= 0) or np.any((theta[:2] < low) | (theta[:2] > high)):
+        low, high = theta0[rates] / self.max_change, theta0[rates] * self.max_change
+        if np.any(theta[rates] <= 0) or np.any((theta[rates] < low) | (theta[rates] > high)):
             self.skipped += 1
             return cost
         self.refits += 1
-        return cost.replace(**{name: float(v) for name, v in zip(FITTED, theta, strict=True)})
+        self.comm_scale = float(theta[-1])
+        intra, inter = self._bandwidths
+        return cost.replace(
+            **{name: float(v) for name, v in zip(FITTED, theta[:-1], strict=True)},
+            intra_node_bandwidth=intra / self.comm_scale,
+            inter_node_bandwidth=inter / self.comm_scale,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The window and counters (plain lists, for checkpoints)."""
         return {
             "rows": [[r[0].tolist(), r[1].tolist(), r[2].tolist()] for r in self._rows],
+            "comm_scale": self.comm_scale,
+            "bandwidths": list(self._bandwidths) if self._bandwidths else None,
             "refits": self.refits,
             "skipped": self.skipped,
         }
@@ -168,5 +184,7 @@ class CostCalibrator:
             (np.asarray(x, dtype=np.float64).reshape(-1, len(FITTED)), np.asarray(t), np.asarray(y))
             for x, t, y in state["rows"]
         )
+        self.comm_scale = float(state.get("comm_scale", 1.0))
+        self._bandwidths = tuple(state["bandwidths"]) if state.get("bandwidths") else None  # type: ignore[assignment]
         self.refits = int(state.get("refits", 0))
         self.skipped = int(state.get("skipped", 0))

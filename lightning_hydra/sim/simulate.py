@@ -162,7 +162,8 @@ def simulate(scenario: Scenario) -> dict[str, Any]:
             plain = simulate_policy(scenario, policy, batches, calibrate=False) if policy in COST_DRIVEN else run
             summary = {**summarize(run["steps"], skip=1), "steps": run["steps"]}
             summary["tokens_per_s_uncalibrated"] = summarize(plain["steps"], skip=1)["tokens_per_s"]
-            summary["cost_model_error_uncalibrated"] = summarize(plain["steps"], skip=1)["cost_model_error"]
+            if plain is not run:
+                summary["cost_model_error_uncalibrated"] = summarize(plain["steps"], skip=1)["cost_model_error"]
         else:
             run = simulate_policy(scenario, policy, batches, calibrate=False)
             summary = {**summarize(run["steps"]), "steps": run["steps"]}
