@@ -75,7 +75,8 @@ table { border-collapse: collapse; font-size: 13px }
 td, th { border: 1px solid #ccc; padding: 4px 8px; text-align: right }
 td:first-child, th:first-child { text-align: left } th { background: #f3f3f3 }
 .grid { display: flex; flex-wrap: wrap; gap: 8px } .grid img { width: 620px; border: 1px solid #eee }
-.timeline img { max-width: 900px; border: 1px solid #eee } p.note { font-size: 13px; color: #555; max-width: 900px }
+.timeline { display: flex; flex-wrap: wrap; gap: 8px } .timeline img { width: 620px; border: 1px solid #eee }
+p.note { font-size: 13px; color: #555; max-width: 900px }
 """
 
 
