@@ -114,9 +114,9 @@ def test_scenario_errors_are_clear(tmp_path):
 @pytest.mark.parametrize("recipe", SIM_RECIPES, ids=lambda p: p.stem)
 def test_scenario_recipe_runs_at_reduced_size(recipe, capsys):
     scenario = load_scenario(recipe)
-    # the smallest pool of whole 8-rank nodes that still holds the longest sequence
+    # the smallest power-of-two pool (at least one 8-rank node) that still holds the longest sequence
     need = -(-scenario.workload.context // scenario.job.max_tokens_per_rank)
-    gpus = scenario.job.tp * scenario.job.pp * 8 * max(1, -(-need // 8))
+    gpus = scenario.job.tp * scenario.job.pp * max(8, 1 << (need - 1).bit_length())
     args = ["simulate", "--config", str(recipe), "--json", "--steps", "2"]
     if "cpu" not in recipe.stem:
         args += ["--gpus", str(gpus)]
