@@ -79,3 +79,17 @@ def test_report_command_needs_records(tmp_path):
 def test_unknown_recipe_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no recipe"):
         recipe_path("no-such-recipe")
+
+
+@pytest.mark.timeout(600)
+def test_compare_runs_each_policy_and_renders_one_dashboard(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    args = ["compare", "--policies", "static", "hydra", "--out", str(out), "--trainer.max_steps=1"]
+    assert main([*args, "--trainer.limit_val_batches=0"]) == 0
+    printed = capsys.readouterr().out
+    assert "static |" in printed and "hydra |" in printed
+    page = out / "dashboard" / "index.html"
+    assert page.exists()
+    html = page.read_text()
+    assert html.count("data:image/png") == 6 + 2  # six series, one timeline per run
+    assert 'alt="timeline_0_step0"' in html and 'alt="timeline_1_step0"' in html

@@ -127,3 +127,24 @@ def test_scenario_recipe_runs_at_reduced_size(recipe, capsys):
         for key in ("tokens_per_s", "bubble_dp", "bubble_pp", "schedule_ms"):
             assert np.isfinite(summary[key]), key
         assert summary["tokens_per_s"] > 0 and 0 <= summary["bubble_dp"] < 1 and 0 <= summary["bubble_pp"] < 1
+
+
+def test_validation_against_recorded_runs_reads_the_records(tmp_path):
+    from lightning_hydra.sim import simulate
+    from lightning_hydra.sim.cli import validate
+
+    scenario = load_scenario(RECIPES / "sim-cpu-demo.yaml", steps=2, policies=["hydra"])
+    result = simulate(scenario)
+    steps = result["policies"]["hydra"]["steps"]
+    # a "recorded run" whose busy times are 10% above the simulated ones, in the monitor's record format
+    run = tmp_path / "hydra" / "version_0"
+    run.mkdir(parents=True)
+    rows = []
+    for k, step in enumerate(steps):
+        busy = [[1.1 * b / 2] * 2 for b in step["busy_per_rank_s"]]  # per rank: two equal microbatches
+        record = {"busy": np.array(busy).T.tolist(), "leader": [[0, 1, 2, 3], [0, 1, 2, 3]]}
+        rows.append(json.dumps({"step": k, "metrics": {}, "policy": "hydra", "record": record}))
+    (run / "hydra_steps.jsonl").write_text("\n".join(rows))
+    out = validate(result, tmp_path)["hydra"]
+    assert out["busy_error_mean"] == pytest.approx(1 - 1 / 1.1)
+    assert out["measured_step_s"] == pytest.approx(1.1 * np.median([max(s["busy_per_rank_s"]) for s in steps]))
