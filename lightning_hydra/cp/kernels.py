@@ -18,7 +18,17 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["AttentionKernel", "CpuFlashKernel", "FlashAttnKernel", "available_kernels", "select_kernel"]
+__all__ = [
+    "KERNEL_NAMES",
+    "AttentionKernel",
+    "CpuFlashKernel",
+    "FlashAttnKernel",
+    "available_kernels",
+    "select_kernel",
+]
+
+KERNEL_NAMES = ("auto", "cpu", "flash")
+"""The kernel preferences :func:`select_kernel` accepts."""
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +220,7 @@ def select_kernel(device: torch.device, preference: str = "auto") -> AttentionKe
     Raises:
         ValueError: An unknown name, or a kernel that cannot run on ``device``.
     """
-    if preference not in ("auto", "cpu", "flash"):
+    if preference not in KERNEL_NAMES:
         raise ValueError(f"unknown attention kernel {preference!r}; choose auto, cpu or flash")
     if preference == "auto":
         preference = "flash" if device.type == "cuda" else "cpu"
