@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
 
 __all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf"]
@@ -121,15 +122,38 @@ class HFCausalLM(HydraModule):
         self.model = model
         apply_hf(self.model, self.local_cp)
 
+    def _plain_head(self) -> nn.Linear | None:
+        """The LM head when logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or scaling), so the
+        loss can be chunked; ``None`` otherwise."""
+        head = self.model.get_output_embeddings()
+        config = self.model.config
+        plain = getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) in (
+            None,
+            1.0,
+        )
+        if isinstance(head, nn.Linear) and head.bias is None and plain and hasattr(self.model, "base_model"):
+            return head
+        return None
+
     @override
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[t, vocab]`` of a packed shard (inside a CP context)."""
-        return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[t, vocab]`` of a packed shard, or with ``labels`` the sum of its token losses (chunked over
+        tokens when the head allows it: no ``[t, vocab]`` float32 logits). Run inside a CP context."""
+        head = self._plain_head() if labels is not None else None
+        if head is None:
+            logits = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+            if labels is None:
+                return logits
+            return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        base = self.model.base_model
+        hidden = base(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).last_hidden_state
+        return chunked_cross_entropy(hidden[0], head.weight, labels, ignore_index=IGNORE_INDEX)
 
     @override
     def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
-        logits = self(mb.input_ids, mb.position_ids)
-        return F.cross_entropy(logits.float(), mb.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return self(mb.input_ids, mb.position_ids, labels=mb.labels)
 
     @override
     def attention_heads(self) -> tuple[int | None, int | None]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
@@ -20,7 +21,13 @@ from lightning_hydra.data.datamodule import resolve
 from lightning_hydra.data.packing import RankMicrobatch, StepBatch
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
-from lightning_hydra.planner import CostModel
+from lightning_hydra.models.checkpointing import (
+    apply_selective_checkpointing,
+    check_checkpointing_mode,
+    largest_module_list,
+    remove_selective_checkpointing,
+)
+from lightning_hydra.planner import CostModel, Group
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
@@ -96,6 +103,22 @@ class HydraModule(pl.LightningModule):
         """The analytic cost model of this model's shape (the planner's default; calibration refines it)."""
         return CostModel.for_transformer(**self.model_shape(), flops_per_second=self.flops_per_second, **CPU_LINKS)
 
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The repeated blocks (sharded one by one, checkpointed selectively); default: the children of the
+        ``nn.ModuleList`` holding the most parameters."""
+        return largest_module_list(self)
+
+    def set_activation_checkpointing(self, mode: str) -> int:
+        """Turn selective activation checkpointing on (``"selective"``) or off (``"none"``); returns how many units
+        recompute. Default: the MLPs and norms of every transformer block (see
+        :mod:`lightning_hydra.models.checkpointing`); models with a finer split override it."""
+        check_checkpointing_mode(mode)
+        blocks = self.transformer_blocks()
+        if mode == "none":
+            remove_selective_checkpointing(blocks)
+            return 0
+        return apply_selective_checkpointing(blocks)
+
     # ------------------------------------------------------------------ runtime
     def runtime(self) -> HydraRuntime:
         """The runtime this module trains in: the :class:`~lightning_hydra.HydraStrategy`'s pool, or one process."""
@@ -133,9 +156,11 @@ class HydraModule(pl.LightningModule):
         last = len(batch.microbatches) - 1
         for index, mb in enumerate(batch.microbatches):
             if mb.num_tokens == 0:
-                timer.skip()  # this rank's group is idle in this microbatch
-                comm.append(0.0)
-                continue
+                if not runtime.must_run(index, last, train=train):
+                    timer.skip()  # this rank's group is idle in this microbatch
+                    comm.append(0.0)
+                    continue
+                mb = self._zero_token_microbatch(runtime.global_rank)  # sharded state: take part in FSDP's collectives
             group = runtime.group(mb.group)
             before = group.clock.seconds
             timer.start()
@@ -150,8 +175,16 @@ class HydraModule(pl.LightningModule):
             total += loss_sum.detach().double()
         if sync is not None:
             sync.finish()
+        else:
+            runtime.end_forward_only()
         self.last_timing = StepTiming(busy=timer.read(), comm=comm)
         return runtime.all_sum(total) / max(batch.trained_tokens, 1)
+
+    def _zero_token_microbatch(self, rank: int) -> RankMicrobatch:
+        """An empty microbatch on this rank alone (degree 1): a forward and backward that compute nothing but run
+        every module's hooks (sharded state gathers and reduces parameters in them)."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        return RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), Group((rank,), 1, 1), ())
 
     # ------------------------------------------------------------------ Lightning hooks
     @override

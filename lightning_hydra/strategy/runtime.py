@@ -34,10 +34,20 @@ from lightning_hydra.metrics.record import StepGather, StepRecord, step_row
 from lightning_hydra.metrics.timing import StepTiming
 from lightning_hydra.planner import CostModel, DegreeRules, Group, Plan, PlannerConfig, shard_tokens
 from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator
+from lightning_hydra.planner.memory import ModelMemoryShape
 from lightning_hydra.strategy.checks import check_digests, check_fits
 from lightning_hydra.strategy.gradients import GradientReducer
+from lightning_hydra.strategy.sharding import ShardedGradientSync, ShardingPlan
 
-__all__ = ["GradientSync", "HydraRuntime", "LocalRuntime", "PoolRuntime", "model_cost", "model_heads"]
+__all__ = [
+    "GradientSync",
+    "HydraRuntime",
+    "LocalRuntime",
+    "PoolRuntime",
+    "memory_shape",
+    "model_cost",
+    "model_heads",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,24 @@ def model_cost(module: Any) -> CostModel:
     return make()
 
 
+def memory_shape(module: Any) -> ModelMemoryShape:
+    """The memory model's view of a :class:`~lightning_hydra.HydraModule`: its shape and parameter count."""
+    shape = getattr(module, "model_shape", None)
+    if not callable(shape):
+        raise TypeError(f"{type(module).__name__} has no model_shape(): subclass lightning_hydra.HydraModule")
+    s = dict(shape())
+    hidden, heads = int(s["hidden_size"]), int(s["num_heads"])
+    return ModelMemoryShape(
+        num_params=sum(p.numel() for p in module.parameters() if p.requires_grad),
+        hidden_size=hidden,
+        num_layers=int(s["num_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(s.get("num_kv_heads") or heads),
+        ffn_hidden_size=int(s.get("ffn_hidden_size") or 4 * hidden),
+        vocab_size=int(s.get("vocab_size") or 32000),
+    )
+
+
 class GradientSync(Protocol):
     """How a step's gradients become the pool's sum: ``begin`` at the start of the step, ``arm`` before the last
     microbatch's backward, ``finish`` after the last microbatch."""
@@ -69,6 +97,10 @@ class GradientSync(Protocol):
     def finish(self) -> None:
         """Complete the sum (blocking)."""
 
+    def must_run(self, index: int, last: int) -> bool:
+        """Whether a rank idle in microbatch ``index`` (of ``0..last``) must still run a zero-token pass so that
+        its collectives line up with the other ranks'."""
+
 
 class _NoSync:
     """Gradient sync of one process: nothing to do."""
@@ -81,6 +113,10 @@ class _NoSync:
 
     def finish(self) -> None:
         """Nothing."""
+
+    def must_run(self, index: int, last: int) -> bool:
+        """Never."""
+        return False
 
 
 class HydraRuntime(ABC):
@@ -174,6 +210,15 @@ class HydraRuntime(ABC):
     @abstractmethod
     def gradient_sync(self, module: nn.Module) -> GradientSync:
         """The gradient sum of this step for ``module``'s parameters."""
+
+    def must_run(self, index: int, last: int, *, train: bool) -> bool:
+        """Whether a rank idle in microbatch ``index`` must run a zero-token pass (sharded state: its collectives
+        must line up); ``False`` for replicas."""
+        return False
+
+    def end_forward_only(self) -> None:
+        """After a forward-only step (validation): release what it left gathered (nothing for replicas)."""
+        return None
 
     @abstractmethod
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -305,6 +350,9 @@ class PoolRuntime(HydraRuntime):
         self._reducer: GradientReducer | None = None
         self._reducer_params: list[int] = []
         self._gather: StepGather | None = None
+        self.sharding: ShardingPlan | None = None
+        """The sharded model (``None``: replicas), set by the strategy at set-up."""
+        self._sharded_sync: ShardedGradientSync | None = None
         self.closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -375,7 +423,12 @@ class PoolRuntime(HydraRuntime):
         return self.cache.get(record)
 
     def gradient_sync(self, module: nn.Module) -> GradientSync:
-        """The bucketed gradient sum of ``module``'s parameters (built once; rebuilt if the parameters change)."""
+        """FSDP's reduce-scatter for a sharded model; otherwise the bucketed gradient sum of ``module``'s parameters
+        (built once; rebuilt if the parameters change)."""
+        if self.sharding is not None:
+            if self._sharded_sync is None or self._sharded_sync.plan is not self.sharding:
+                self._sharded_sync = ShardedGradientSync(self.sharding)
+            return self._sharded_sync
         params = [p for p in module.parameters() if p.requires_grad]
         ids = [id(p) for p in params]
         if self._reducer is None or ids != self._reducer_params:
@@ -384,6 +437,20 @@ class PoolRuntime(HydraRuntime):
             self._reducer = GradientReducer(params)
             self._reducer_params = ids
         return self._reducer
+
+    def must_run(self, index: int, last: int, *, train: bool) -> bool:
+        """Sharded state: training follows the mode (the last microbatch, or every one under zero3); a forward-only
+        step runs every microbatch (every forward may gather parameters)."""
+        if self.sharding is None:
+            return False
+        if not train:
+            return True
+        return self.gradient_sync(self.module).must_run(index, last)  # type: ignore[arg-type]
+
+    def end_forward_only(self) -> None:
+        """Reshard a sharded model after validation (zero2 keeps parameters gathered after a forward)."""
+        if self.sharding is not None:
+            ShardedGradientSync(self.sharding).reshard()
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum of a tensor over the pool."""
