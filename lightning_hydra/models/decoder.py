@@ -13,6 +13,7 @@ from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
 from lightning_hydra.models.checkpointing import check_checkpointing_mode
 from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
+from lightning_hydra.models.stages import stage_layers
 
 __all__ = ["DecoderLM"]
 
@@ -213,15 +214,26 @@ class DecoderLM(HydraModule):
 
     @override
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[t, vocab]`` of a packed shard, or with ``labels`` the sum of its token losses (computed in
         chunks: the ``[t, vocab]`` float32 logits are never materialised). Run inside a CP context (see
-        :class:`CPContext`)."""
-        x = self.embed(input_ids)
+        :class:`CPContext`).
+
+        After :meth:`pipeline_stage` only this stage's blocks run: from ``hidden`` (the previous stage's
+        activations) unless it is the first stage, returning activations unless it is the last.
+        """
+        x = self.embed(input_ids) if hidden is None else hidden
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if isinstance(layer, Block):
+                x = layer(x, cos, sin)
+        if self.lm_head is None:
+            return x  # not the last pipeline stage
         x = self.norm(x)
         if labels is None:
             return self.lm_head(x)
@@ -233,14 +245,37 @@ class DecoderLM(HydraModule):
 
     @override
     def transformer_blocks(self) -> list[nn.Module]:
-        return list(self.layers)
+        return [layer for layer in self.layers if isinstance(layer, Block)]
 
     @override
     def set_activation_checkpointing(self, mode: str) -> int:
         check_checkpointing_mode(mode)
-        for layer in self.layers:
+        blocks = self.transformer_blocks()
+        for layer in blocks:
             layer.checkpointed = mode == "selective"
-        return len(self.layers) if mode == "selective" else 0
+        return len(blocks) if mode == "selective" else 0
+
+    @override
+    def pipeline_stage(self, stage: int, stages: int) -> None:
+        h = self.hparams
+        block = sum(p.numel() for p in self.layers[0].parameters())
+        ranges = stage_layers(
+            h.num_layers, stages, block_flops=6.0 * block, head_flops=6.0 * h.vocab_size * h.hidden_size
+        )
+        keep = ranges[stage]
+        for i in range(h.num_layers):
+            if i not in keep:
+                self.layers[i] = nn.Identity()
+        if stage > 0:
+            self.embed = None
+        if stage < stages - 1:
+            self.norm = None
+            self.lm_head = None
+
+    @override
+    def stage_forward(self, mb: RankMicrobatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        labels = mb.labels if self.lm_head is not None else None
+        return self(mb.input_ids, mb.position_ids, labels=labels, hidden=hidden)
 
     @override
     def attention_heads(self) -> tuple[int | None, int | None]:

@@ -146,6 +146,8 @@ class HydraModule(pl.LightningModule):
         runtime's gradient sync); nothing here waits on the device before the step's end.
         """
         runtime = self.runtime()
+        if runtime.stages > 1:
+            return self._run_pipelined(batch, train)
         context = self._context()
         timer = MicrobatchTimer(self.device)
         comm: list[float] = []
@@ -166,6 +168,7 @@ class HydraModule(pl.LightningModule):
             timer.start()
             with context.use(group, mb.cu_seqlens):
                 loss_sum = self.microbatch_loss(mb)
+            timer.mark()
             if sync is not None:
                 if index == last:
                     sync.arm()
@@ -177,8 +180,43 @@ class HydraModule(pl.LightningModule):
             sync.finish()
         else:
             runtime.end_forward_only()
-        self.last_timing = StepTiming(busy=timer.read(), comm=comm)
+        forward, backward = timer.read_split()
+        busy = [f + b for f, b in zip(forward, backward, strict=True)]
+        self.last_timing = StepTiming(busy=busy, comm=comm, forward=forward, backward=backward)
         return runtime.all_sum(total) / max(batch.trained_tokens, 1)
+
+    def _run_pipelined(self, batch: StepBatch, train: bool) -> torch.Tensor:
+        """This rank's pipeline stage under 1F1B (see :mod:`lightning_hydra.strategy.pipeline`)."""
+        from lightning_hydra.strategy.pipeline import run_pipeline
+
+        runtime = self.runtime()
+        result = run_pipeline(self, batch, runtime, train=train, hidden_size=self.pipeline_width())
+        line = result.timeline
+        busy = [f + b for f, b in zip(line.fwd_busy, line.bwd_busy, strict=True)]
+        self.last_timing = StepTiming(
+            busy=busy, comm=result.comm, forward=line.fwd_busy, backward=line.bwd_busy, spans=line.spans
+        )
+        return runtime.all_sum(result.loss_sum) / max(batch.trained_tokens, 1)  # the loss lives on the last stage
+
+    # ------------------------------------------------------------------ pipeline stages
+    def pipeline_stage(self, stage: int, stages: int) -> None:
+        """Keep only stage ``stage`` of ``stages`` of this model (its parameters; the rest is dropped), so that
+        :meth:`stage_forward` runs it. Models that support pipelines override it (see
+        :mod:`lightning_hydra.strategy.pipeline`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be split into pipeline stages: implement pipeline_stage() and "
+            "stage_forward() (DecoderLM and HFCausalLM do)"
+        )
+
+    def stage_forward(self, mb: RankMicrobatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Run this model's stage on a microbatch shard: from token ids on the first stage (``hidden`` is
+        ``None``), from the previous stage's ``[t, width]`` activations otherwise; returns the activations for the
+        next stage, or on the last stage the sum of the token losses."""
+        raise NotImplementedError(f"{type(self).__name__} has no stage_forward()")
+
+    def pipeline_width(self) -> int:
+        """Width of the activations passed between stages (the model's hidden size)."""
+        return int(self.model_shape()["hidden_size"])  # type: ignore[arg-type]
 
     def _zero_token_microbatch(self, rank: int) -> RankMicrobatch:
         """An empty microbatch on this rank alone (degree 1): a forward and backward that compute nothing but run

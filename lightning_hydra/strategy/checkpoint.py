@@ -47,9 +47,29 @@ def save_sharded_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, glo
 def load_sharded_checkpoint(
     path: str | Path, model: nn.Module, optimizers: list[Optimizer], *, strict: bool = True
 ) -> dict[str, Any]:
-    """Load a sharded directory (or a single full file) into a sharded ``model`` and its ``optimizers``; returns
-    the rest of the checkpoint. Collective."""
-    state: dict[str, Any] = {"state_dict": model, **{f"optimizer_{i}": o for i, o in enumerate(optimizers)}}
-    return _fabric_load_checkpoint(
-        path=Path(path), state=state, strict=strict, optimizer_states_from_list=True, weights_only=False
+    """Load a sharded directory into ``model`` (FSDP-sharded, a pipeline stage, or both) and its ``optimizers``,
+    each rank reading only what it holds; returns the rest of the checkpoint. A single full file (from a replica
+    pool) loads into a sharded model too. Collective."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        state: dict[str, Any] = {"state_dict": model, **{f"optimizer_{i}": o for i, o in enumerate(optimizers)}}
+        return _fabric_load_checkpoint(
+            path=path, state=state, strict=strict, optimizer_states_from_list=True, weights_only=False
+        )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
+
+    wanted: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    for i, optimizer in enumerate(optimizers):
+        wanted[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(wanted, checkpoint_id=path)
+    set_model_state_dict(model, wanted["state_dict"], options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, wanted[f"optimizer_{i}"])
+    return torch.load(path / _METADATA_FILENAME, weights_only=False)

@@ -60,8 +60,16 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     return list(explicit()) if callable(explicit) else largest_module_list(module)
 
 
-def build_mesh(mode: str, world_size: int, ranks_per_node: int, device_type: str) -> DeviceMesh:
-    """The FSDP mesh of a mode: 1-D over the pool, or ``(replicate, shard)`` = ``(nodes, ranks_per_node)`` for hsdp.
+def build_mesh(mode: str, world_size: int, ranks_per_node: int, device_type: str, *, stages: int = 1) -> DeviceMesh:
+    """The FSDP mesh of a mode over one pool: 1-D, or ``(replicate, shard)`` = ``(nodes, ranks_per_node)`` for
+    hsdp. With pipeline stages the world mesh is ``(stage, ...)`` and this rank's stage's sub-mesh is returned.
+
+    Args:
+        mode: The sharding mode.
+        world_size: Ranks in one pool (the world with one stage).
+        ranks_per_node: Ranks per node.
+        device_type: ``"cuda"`` or ``"cpu"``.
+        stages: Pipeline stages (pools) of the world.
 
     Raises:
         ValueError: An hsdp pool that is not whole nodes.
@@ -69,9 +77,13 @@ def build_mesh(mode: str, world_size: int, ranks_per_node: int, device_type: str
     if mode == "hsdp":
         if world_size % ranks_per_node or world_size < ranks_per_node:
             raise ValueError(f"hsdp needs whole nodes: {world_size} ranks with ranks_per_node={ranks_per_node}")
-        shape = (world_size // ranks_per_node, ranks_per_node)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+        shape, names = (world_size // ranks_per_node, ranks_per_node), ("replicate", "shard")
+    else:
+        shape, names = (world_size,), ("shard",)
+    if stages == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, (stages, *shape), mesh_dim_names=("stage", *names))
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,7 @@ from lightning_hydra.planner.calibration import CostCalibrator
 from lightning_hydra.planner.memory import MemoryBreakdown, memory_capacity, parse_bytes
 from lightning_hydra.strategy.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from lightning_hydra.strategy.checks import check_fits, check_pool
+from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import PoolRuntime, memory_shape, model_heads
 from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model
 
@@ -107,6 +108,7 @@ class HydraStrategy(ParallelStrategy):
         sharding: str = "none",
         activation_checkpointing: str = "none",
         memory_budget: int | float | str | None = None,
+        pipeline_stages: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -141,6 +143,10 @@ class HydraStrategy(ParallelStrategy):
             CP attention (see :mod:`lightning_hydra.models.checkpointing`).
         memory_budget: Bytes per rank for ``max_tokens_per_rank="auto"`` (a number or a string such as
             ``"80GB"``); default the device's memory (CUDA) or the host's memory shared by its ranks (CPU).
+        pipeline_stages: Pipeline stages ``P``: the world is ``P`` stages x a pool of ``world / P`` ranks (stage
+            ``s`` = global ranks ``[s * pool, (s + 1) * pool)``), every stage plans the same global batch onto its
+            pool and runs our 1F1B schedule; see :mod:`lightning_hydra.strategy.pipeline`. The model must split
+            (``pipeline_stage``/``stage_forward``: DecoderLM and Llama-family HFCausalLM do).
         accelerator: The accelerator (set by the Trainer).
         parallel_devices: Devices of this node's ranks (set by the Trainer).
         cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -178,6 +184,9 @@ class HydraStrategy(ParallelStrategy):
         """Whether ``max_tokens_per_rank`` is resolved from the memory model at set-up."""
         if not self.auto_capacity:
             _positive_int("max_tokens_per_rank (or 'auto')", max_tokens_per_rank)
+        self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
+        self.layout: PipelineLayout | None = None
+        """Stages x pool (after set-up)."""
         self.sharding = sharding
         self.activation_checkpointing = activation_checkpointing
         self.memory_budget = parse_bytes(memory_budget) if memory_budget is not None else None
@@ -203,6 +212,7 @@ class HydraStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._wrapped = 0
+        self._staged = False
         self._restored_cost: CostModel | None = None
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -275,16 +285,20 @@ class HydraStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        check_pool(self.world_size, self.planner_config.ranks_per_node)
+        self.layout = PipelineLayout.of_world(self.world_size, self.pipeline_stages)
+        check_pool(self.layout.pool, self.planner_config.ranks_per_node)
         self._setup_runtime()
 
     def _setup_runtime(self) -> None:
         if self.runtime is None or self.runtime.closed:
+            assert self.layout is not None
             self.runtime = PoolRuntime(
                 planner_config=self.planner_config,
                 device=self.root_device,
-                global_rank=self.global_rank,
-                world_size=self.world_size,
+                global_rank=self.layout.position(self.global_rank),
+                world_size=self.layout.pool,
+                layout=self.layout,
+                world_rank=self.global_rank,
                 calibrate=self.calibrate,
                 calibrator=self.calibrator,
                 backend=self._process_group_backend,
@@ -350,6 +364,13 @@ class HydraStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         sync_module_states(self.model, self.root_device)
+        if self.pipeline_stages > 1 and self.runtime is not None and not self._staged:
+            split = getattr(self.model, "pipeline_stage", None)
+            if not callable(split):
+                raise TypeError(f"{type(self.model).__name__} cannot be split into stages: subclass HydraModule")
+            split(self.runtime.stage, self.pipeline_stages)
+            self._staged = True
+            rank_zero_info(f"HydraStrategy: {self.pipeline_stages} pipeline stages of {self.runtime.world_size} ranks")
         self._setup_memory(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -371,11 +392,13 @@ class HydraStrategy(ParallelStrategy):
         assert self.runtime is not None
         if self.runtime.sharding is not None:
             return  # a second fit of the same strategy: the model is sharded already
+        assert self.layout is not None
         mesh = build_mesh(
             self.sharding,
-            self.world_size,
-            min(self.planner_config.ranks_per_node, self.world_size),
+            self.layout.pool,
+            min(self.planner_config.ranks_per_node, self.layout.pool),
             self.root_device.type,
+            stages=self.layout.stages,
         )
         mixed = str(getattr(self.precision_plugin, "precision", "")) == "bf16-mixed"
         self.runtime.sharding = shard_model(model, self.sharding, mesh, mixed_precision=mixed)
@@ -387,8 +410,9 @@ class HydraStrategy(ParallelStrategy):
 
     @property
     def is_sharded(self) -> bool:
-        """Whether training state is sharded (``sharding`` other than ``"none"``)."""
-        return self.sharding != "none"
+        """Whether a rank holds only part of the training state (sharding, or pipeline stages): checkpoints are
+        then ``torch.distributed.checkpoint`` directories."""
+        return self.sharding != "none" or self.pipeline_stages > 1
 
     @property
     @override
@@ -429,13 +453,26 @@ class HydraStrategy(ParallelStrategy):
         return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The model's full (unsharded, CPU) state dict on every rank (collective when sharded)."""
+        """The model's full (unsharded, CPU) state dict on every rank (collective when sharded or staged)."""
         assert self.model is not None
         if not self.is_sharded:
             return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.sharding != "none":
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            mine = get_model_state_dict(self.model, options=options)
+        else:
+            mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.pipeline_stages == 1:
+            return mine
+        assert self.layout is not None and self.runtime is not None
+        parts: list[Any] = [None] * self.world_size  # every stage's part, from its pool position 0
+        dist.all_gather_object(parts, mine if self.runtime.global_rank == 0 else {})
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
 
     @override
     def model_to_device(self) -> None:
