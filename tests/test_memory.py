@@ -71,6 +71,9 @@ def test_model_state_shards_with_the_mode() -> None:
     assert zero2["unsharded"] == n * (2 + 4)  # bf16 params for the step, float32 accumulated gradients
     sgd = model_state_bytes(LLAMA3_8B, sharding="zero2", optimizer="sgd", **kw)
     assert sgd["optimizer"] == 0
+    staged = model_state_bytes(LLAMA3_8B, sharding="zero2", pipeline_stages=4, **kw)
+    assert staged["optimizer"] == pytest.approx(zero2["optimizer"] / 4)  # a stage holds a quarter of the model
+    assert staged["unsharded"] == pytest.approx(zero2["unsharded"] / 4)
 
 
 def test_llama3_8b_fits_an_80gb_gpu_at_64_ranks() -> None:

@@ -132,8 +132,10 @@ def model_state_bytes(
     ranks_per_node: int,
     num_microbatches: int = 1,
     optimizer: str = "adamw",
+    pipeline_stages: int = 1,
 ) -> dict[str, float]:
-    """Bytes per rank of parameters, gradients, optimizer state and what a step holds unsharded.
+    """Bytes per rank of parameters, gradients, optimizer state and what a step holds unsharded (``world_size``:
+    ranks of one pipeline stage's pool; a stage holds ``1 / pipeline_stages`` of the parameters).
 
     Returns:
         ``{"params", "grads", "optimizer", "unsharded"}``.
@@ -141,7 +143,9 @@ def model_state_bytes(
     precision = _precision(precision)
     if sharding not in ("none", "zero2", "zero3", "hsdp"):
         raise ValueError(f"unknown sharding {sharding!r}")
-    n = float(shape.num_params)
+    if pipeline_stages < 1:
+        raise ValueError(f"pipeline_stages must be positive, got {pipeline_stages}")
+    n = float(shape.num_params) / pipeline_stages
     master, grad = (2.0, 2.0) if precision == "bf16-true" else (4.0, 4.0)
     moments = 0.0 if optimizer == "sgd" else 2 * master
     compute = 4.0 if precision == "32-true" else 2.0
@@ -151,7 +155,7 @@ def model_state_bytes(
     shards = min(ranks_per_node, world_size) if sharding == "hsdp" else world_size
     accumulated = 4.0 if precision == "bf16-mixed" else grad
     if sharding == "zero3":
-        root = 2 * shape.vocab_size * shape.hidden_size
+        root = 2 * shape.vocab_size * shape.hidden_size / pipeline_stages
         unsharded = (root + 2 * shape.block_params) * (compute + grad)
     else:
         unsharded = n * (compute + (accumulated if num_microbatches > 1 else compute))
@@ -241,6 +245,7 @@ def memory_capacity(
     communicator_bytes: float = 0.5e9,
     margin: float = 0.1,
     multiple_of: int = 256,
+    pipeline_stages: int = 1,
 ) -> MemoryBreakdown:
     """The token capacity of a rank: what its budget leaves after model state, communicators and the margin,
     divided by activation bytes per token, rounded down to ``multiple_of``.
@@ -259,6 +264,9 @@ def memory_capacity(
         communicator_bytes: Bytes per communicator (0 on CPU/gloo).
         margin: Share of the budget kept free.
         multiple_of: Round the capacity down to a multiple of this (kernel tiles).
+        pipeline_stages: Pipeline stages: a stage holds ``1 / P`` of the model state; under 1F1B the first stage
+            keeps ``P`` microbatches' activations of its ``L / P`` blocks in flight, as many per token as the whole
+            model without a pipeline, so the activation term is unchanged (``world_size`` is one stage's pool).
     """
     if budget <= 0 or not 0 <= margin < 1:
         raise ValueError(f"budget must be positive and margin in [0, 1), got {budget} and {margin}")
@@ -270,9 +278,11 @@ def memory_capacity(
         ranks_per_node=ranks_per_node,
         num_microbatches=num_microbatches,
         optimizer=optimizer,
+        pipeline_stages=pipeline_stages,
     )
     mesh_dims = {"none": 0, "zero2": 1, "zero3": 1, "hsdp": 2}[sharding]
-    communicators = communicator_bytes * (1 + mesh_dims + ulysses_blocks + 2)
+    stage_links = 2 if pipeline_stages > 1 else 0
+    communicators = communicator_bytes * (1 + mesh_dims + ulysses_blocks + 2 + stage_links)
     per_token = activation_bytes_per_token(shape, checkpointing=checkpointing, precision=precision)
     kept = budget * margin
     left = budget - sum(state.values()) - communicators - kept

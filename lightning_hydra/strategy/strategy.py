@@ -335,12 +335,13 @@ class HydraStrategy(ParallelStrategy):
             sharding=self.sharding,
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
             checkpointing=self.activation_checkpointing,
-            world_size=self.world_size,
-            ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size),
+            world_size=self.world_size // self.pipeline_stages,
+            ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size // self.pipeline_stages),
             num_microbatches=self.planner_config.num_microbatches,
             optimizer=getattr(module, "optimizer_name", "adamw"),
             ulysses_blocks=ulysses_blocks,
             communicator_bytes=0.5e9 if self.root_device.type == "cuda" else 0.0,
+            pipeline_stages=self.pipeline_stages,
         )
 
     def _resolve_capacity(self, ulysses_blocks: int) -> None:
