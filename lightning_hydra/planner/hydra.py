@@ -40,6 +40,7 @@ import heapq
 
 import numpy as np
 
+from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.plan import Group, Plan, PlanError
 from lightning_hydra.planner.request import PlanRequest
 
@@ -114,7 +115,7 @@ class _Microbatch:
         longest = int(lengths.max())
         deg = table.deg
         top = req.cost.table(np.asarray([longest]), table.u, table.r)[:, 0]
-        fits_top = 2 * -(-longest // (2 * deg)) <= req.capacity
+        fits_top = shard_tokens(np.int64(longest), deg) <= req.capacity
         if not fits_top.any():
             raise PlanError(f"a sequence of {longest} tokens fits no degree of the pool")
         usable = fits_top & (top <= float(req.cost.useful(lens).sum()) / req.world_size)
@@ -125,7 +126,7 @@ class _Microbatch:
         self.base, self.ring_comm, self.ring_attn = req.cost.parts(lens, table.u[: self.rows], table.r[: self.rows])
         self.bin_latency = req.cost.latency(table.u[: self.rows], table.r[: self.rows]).tolist()
         self.cost = self.base + np.maximum(self.ring_comm - self.ring_attn, 0.0) + np.asarray(self.bin_latency)[:, None]
-        self.shards = 2 * -(-lengths[None, :] // (2 * deg[: self.rows, None]))
+        self.shards = shard_tokens(lengths[None, :], deg[: self.rows, None])
         self.deg = deg[: self.rows]
         self.min_k = np.argmax(self.shards <= req.capacity, axis=0)
         # The closed form: every sequence at its memory minimum (where its rank-time, communication and overheads

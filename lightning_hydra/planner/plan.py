@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.degrees import shard_tokens
 
 __all__ = ["Group", "Plan", "PlanError"]
 
@@ -47,6 +48,25 @@ class Group:
             return self.ranks.index(rank)
         except ValueError:
             raise ValueError(f"rank {rank} is not a member of the group with ranks {self.ranks}") from None
+
+    @property
+    def layout(self) -> Group:
+        """The group without its bin: what identifies its communicators (hashable, equal across microbatches)."""
+        return self if not self.seq_ids else Group(self.ranks, self.ulysses, self.ring)
+
+    def ulysses_blocks(self) -> list[tuple[int, ...]]:
+        """Global ranks of every Ulysses block (``ulysses`` consecutive members), in ring order."""
+        u = self.ulysses
+        return [self.ranks[s : s + u] for s in range(0, len(self.ranks), u)]
+
+    def ulysses_block(self, rank: int) -> tuple[int, ...]:
+        """Global ranks of the Ulysses block ``rank`` belongs to."""
+        p = self.index(rank) // self.ulysses
+        return self.ranks[p * self.ulysses : (p + 1) * self.ulysses]
+
+    def ring_peers(self, rank: int) -> tuple[int, ...]:
+        """Global ranks of ``rank``'s ring (the members with its Ulysses index), in ring order."""
+        return self.ranks[self.index(rank) % self.ulysses :: self.ulysses]
 
 
 @dataclass
@@ -127,7 +147,7 @@ class Plan:
         """Tokens ``[num_microbatches, world_size]`` held per rank (zigzag shards, padding included)."""
         _, gid, seq, u, r = self._members()
         lengths = np.asarray(self.lengths, dtype=np.int64)
-        shard = 2 * -(-lengths[seq] // (2 * u * r))
+        shard = shard_tokens(lengths[seq], u * r)
         return self._spread(np.bincount(gid, weights=shard, minlength=self._num_groups()).astype(np.int64))
 
     def efficiency(self, cost: CostModel) -> float:
@@ -192,7 +212,7 @@ class Plan:
                     if ids.min() < 0 or ids.max() >= len(self.lengths):
                         raise PlanError(f"microbatch {m}: group {g.ranks} names a sequence that is not in the batch")
                     np.add.at(seen, ids, 1)
-                    held = int((2 * -(-lengths_arr[ids] // (2 * g.degree))).sum())
+                    held = int(shard_tokens(lengths_arr[ids], np.asarray(g.degree)).sum())
                     if held > max_tokens_per_rank:
                         raise PlanError(
                             f"microbatch {m}: group {g.ranks} holds {held} tokens per rank, "
