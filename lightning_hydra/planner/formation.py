@@ -212,6 +212,10 @@ class _Microbatch:
         self.members: list[list[int]] = []
         self.heaps: dict[int, list[tuple[float, int]]] = {}
         self.parked: dict[int, list[tuple[int, int]]] = {}
+        self.classes = np.zeros(0, dtype=np.int64)  # every group's class and load, after the single-rank deal
+        self.loads = np.zeros(0)
+        self.single_seq = np.zeros(0, dtype=np.int64)  # single-rank deal: sequence and group of each placement
+        self.single_gid = np.zeros(0, dtype=np.int64)
         self.ordered: dict[int, list[tuple[float, int]]] = {}  # per class, (load, group) ascending
 
     def new(self, j: int) -> int:
@@ -332,14 +336,12 @@ def _place_single(
     """Deal single-rank-class sequences (heaviest first) in LPT rounds over every group; return those that wait."""
     ds = mb.ds
     free = mb.free
-    mb.members += [[] for _ in range(free)]
     mb.free = 0
     gk = np.concatenate([np.asarray(mb.gk, dtype=np.int64), np.zeros(free, dtype=np.int64)])
-    mb.gk = gk.tolist()
     g_all = np.arange(gk.size)
     load = np.concatenate([np.asarray(mb.load), np.zeros(free)])
+    mb.classes, mb.loads = gk, load
     if g_all.size == 0 or seqs.size == 0:
-        mb.load = load.tolist()
         return seqs
     bsum = np.concatenate([np.asarray(mb.bsum), np.zeros(free)])
     nsum = np.concatenate([np.asarray(mb.nsum), np.zeros(free)])
@@ -357,7 +359,8 @@ def _place_single(
     reach = np.inf if last else np.maximum(1.0, lens[seqs] / max(cost.min_chunk_tokens, 1.0))
     limit = np.inf if last else target
     todo = np.arange(seqs.size)
-    for _ in range(3):  # passes: what found no room in its round is dealt again to what is left
+    for _ in range(3 if last else 1):  # the last microbatch deals what found no room again, to what is left
+        todo = todo[np.argsort(-single_cost[todo], kind="stable")]
         missed = []
         pos = 0
         lightest = float(single_cost[todo].min()) if todo.size else 0.0
@@ -367,6 +370,15 @@ def _place_single(
             open_ = np.flatnonzero(load + lightest <= limit) if np.isfinite(limit) else g_all
             if open_.size == 0:
                 break
+            if np.isfinite(limit):  # heavier than any open group's slack even split over its ranks: no try
+                slack = limit - load[open_].min()
+                lower = single_cost[todo[pos:]] / size[open_].max()
+                skip = int(np.searchsorted(-lower, -slack, "left"))
+                if skip:
+                    missed.append(todo[pos : pos + skip])
+                    pos += skip
+                    if pos >= todo.size:
+                        break
             take = min(todo.size - pos, open_.size)
             batch = todo[pos : pos + take]
             pos += take
@@ -388,17 +400,25 @@ def _place_single(
         if todo.size == 0:
             break
     placed = np.flatnonzero(assign >= 0)
-    for i in placed[np.argsort(assign[placed], kind="stable")].tolist():
-        mb.members[int(assign[i])].append(int(seqs[i]))
-    mb.load = load.tolist()
+    mb.single_seq, mb.single_gid = seqs[placed], assign[placed]
     return seqs[todo]
+
+
+@dataclass
+class _Formed:
+    """One formed microbatch: class of every group, its sequences with their group, and the largest load."""
+
+    classes: np.ndarray
+    seq: np.ndarray
+    gid: np.ndarray
+    top: float
 
 
 def _microbatch(
     tab: _Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool
-) -> tuple[list[tuple[int, list[int]]], float, np.ndarray]:
+) -> tuple[_Formed, np.ndarray]:
     """Form one microbatch from ``remaining`` (heaviest first) with ``left`` microbatches still to come (this one
-    included); return its groups ``(class, members)``, its largest load and the sequences that wait."""
+    included); return it and the sequences that wait."""
     cost, n_ranks, cap = req.cost, req.world_size, req.capacity
     work = tab.work_min[remaining]
     level = float(work.sum()) / n_ranks / max(left, 1)
@@ -419,10 +439,18 @@ def _microbatch(
     mb = _Microbatch(tab, ds, cost, n_ranks, cap)
     wait_multi = _place_multi(mb, multi_cols, kdeg, level, last)
     wait_single = _place_single(mb, cost, req.lengths, single, level, last)
-    groups = [(mb.gk[g], members) for g, members in enumerate(mb.members) if members]
-    top = max((mb.load[g] for g, members in enumerate(mb.members) if members), default=0.0)
+    if not mb.classes.size:  # nothing was dealt: the groups of the multi-rank phase as they are
+        mb.classes, mb.loads = np.asarray(mb.gk, dtype=np.int64), np.asarray(mb.load)
+    counts = np.fromiter((len(m) for m in mb.members), dtype=np.int64, count=len(mb.members))
+    seq = np.concatenate([np.fromiter((i for m in mb.members for i in m), dtype=np.int64, count=int(counts.sum())),
+                          mb.single_seq])  # fmt: skip
+    gid = np.concatenate([np.repeat(np.arange(counts.size), counts), mb.single_gid])
+    used, gid = np.unique(gid, return_inverse=True)  # groups without sequences are dropped (their ranks idle)
+    top = float(mb.loads[used].max()) if used.size else 0.0
     waiting = np.concatenate([tab.multi[np.asarray(wait_multi, dtype=np.int64)], wait_single])
-    return groups, top, waiting[np.argsort(-tab.cost_min[waiting], kind="stable")]
+    return _Formed(mb.classes[used], seq, gid.reshape(-1), top), waiting[
+        np.argsort(-tab.cost_min[waiting], kind="stable")
+    ]
 
 
 def form(req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Tables | None = None) -> Formation:
@@ -443,34 +471,27 @@ def form(req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Table
     tab = tables if tables is not None else _Tables(req, ds)
     asked = req.num_microbatches
     remaining = np.argsort(-tab.cost_min, kind="stable")
-    formed: list[tuple[list[tuple[int, list[int]]], float]] = []
+    formed: list[_Formed] = []
     while remaining.size:
         m = len(formed)
-        groups, top, waiting = _microbatch(tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees)
+        mb, waiting = _microbatch(tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees)
         if m >= asked - 1 and waiting.size == remaining.size:
             raise RuntimeError("formation made no progress")  # pragma: no cover - capacity was checked upstream
-        formed.append((groups, top))
+        formed.append(mb)
         remaining = waiting
     if len(formed) >= 2:
-        tail = [i for gs, _ in formed[-2:] for _, members in gs for i in members]
-        both = np.asarray(tail, dtype=np.int64)
+        both = np.concatenate([formed[-2].seq, formed[-1].seq])
         both = both[np.argsort(-tab.cost_min[both], kind="stable")]
-        groups, top, waiting = _microbatch(tab, ds, req, both, 1, True, raise_degrees)
-        if waiting.size == 0 and top < formed[-2][1] + formed[-1][1]:
-            formed[-2:] = [(groups, top)]
-    group_mb, group_class, seq_out, gid_out = [], [], [], []
-    for m, (groups, _) in enumerate(formed):
-        for j, members in groups:
-            group_mb.append(m)
-            group_class.append(j)
-            seq_out.extend(members)
-            gid_out.extend([len(group_mb) - 1] * len(members))
+        mb, waiting = _microbatch(tab, ds, req, both, 1, True, raise_degrees)
+        if waiting.size == 0 and mb.top < formed[-2].top + formed[-1].top:
+            formed[-2:] = [mb]
+    offsets = np.cumsum([0] + [f.classes.size for f in formed])
     return Formation(
         degrees=ds,
-        group_mb=np.asarray(group_mb, dtype=np.int64),
-        group_class=np.asarray(group_class, dtype=np.int64),
-        seq=np.asarray(seq_out, dtype=np.int64),
-        gid=np.asarray(gid_out, dtype=np.int64),
+        group_mb=np.repeat(np.arange(len(formed)), [f.classes.size for f in formed]).astype(np.int64),
+        group_class=np.concatenate([f.classes for f in formed]).astype(np.int64),
+        seq=np.concatenate([f.seq for f in formed]).astype(np.int64),
+        gid=np.concatenate([f.gid + o for f, o in zip(formed, offsets, strict=False)]).astype(np.int64),
         num_microbatches=max(len(formed), asked),
         name=f"{ds.name}/{'load' if raise_degrees else 'memory'}",
     )
