@@ -273,7 +273,7 @@ class CostCalibrator:
             return cost
         self.refits += 1
         values = {name: float(v) for name, v in zip(FITTED, theta, strict=True)}
-        values["intra_node_bandwidth"] = 1.0 / theta[7]
+        values["intra_node_bandwidth"] = cost.intra_node_bandwidth if theta[7] == theta0[7] else 1.0 / theta[7]
         self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
         self._bandwidth = values["intra_node_bandwidth"]
         return cost.replace(**values)
