@@ -27,9 +27,27 @@ def test_splitting_divides_compute_and_charges_communication(cost: CostModel) ->
     length = 131072
     one = float(cost.sequence(length))
     eight = float(cost.sequence(length, 8, 1))
-    assert float(cost.comm(length, 8, 1)) > 0
-    assert eight * 8 > one - 8 * cost.seq_overhead  # communication makes the split cost more rank-time
-    assert eight < one / 4  # but each rank finishes much sooner
+    # hand-worked: Ulysses over 8 ranks (no ring) divides the useful work by 8 and adds the all-to-all of the
+    # rank's 1/8 of the tokens, 7/8 of which leave the rank, and its latency; the per-sequence overhead stays
+    a2a = cost.a2a_bytes_per_token * (length / 8) * 7 / 8 / cost.intra_node_bandwidth
+    assert float(cost.comm(length, 8, 1)) == pytest.approx(a2a + cost.a2a_latency, rel=1e-12)
+    assert eight == pytest.approx(float(cost.useful(length)) / 8 + cost.seq_overhead + a2a + cost.a2a_latency)
+    # so the split costs exactly the communication (and 7 more per-sequence overheads) in rank-time
+    assert 8 * eight - one == pytest.approx(8 * (a2a + cost.a2a_latency) + 7 * cost.seq_overhead, rel=1e-9)
+
+
+def test_new_terms_of_the_form(cost: CostModel) -> None:
+    length, u, r = 40000, 2, 4
+    traffic, hideable = (float(x) for x in cost.ring_steps(length, u, r))
+    base = float(cost.bin_time([length], u, r))
+    # per-token chunk overhead: every rank pays it on the whole sequence, not divided by the degree
+    assert float(cost.replace(length_overhead=1e-9).bin_time([length], u, r)) == pytest.approx(base + 1e-9 * length)
+    # per-microbatch overhead: once per busy rank, nothing for an idle one
+    assert float(cost.replace(bin_overhead=1e-3).bin_time([length], u, r)) == pytest.approx(base + 1e-3)
+    assert cost.replace(bin_overhead=1e-3).bin_time([], u, r) == 0.0
+    # a fixed share of the ring traffic is exposed whatever the attention hides; the exposure weight scales the rest
+    shared = cost.replace(ring_share=0.5, ring_exposure=0.0)
+    assert float(shared.bin_time([length], u, r)) == pytest.approx(base - max(traffic - hideable, 0) + 0.5 * traffic)
 
 
 def test_short_sequences_expose_ring_communication(cost: CostModel) -> None:
@@ -45,6 +63,13 @@ def test_table_matches_broadcast_sequence(cost: CostModel) -> None:
     r = np.array([1, 1, 1, 4, 5, 3])
     expected = cost.sequence(lengths[None, :].astype(float), u[:, None], r[:, None])
     np.testing.assert_allclose(cost.table(lengths, u, r), expected, rtol=1e-12)
+
+
+def test_dkv_travel_in_float32(cost: CostModel) -> None:
+    # k, v forward and again backward at 2 bytes, dK, dV at 4 bytes: (4 * 2 + 2 * 4) bytes per KV element per layer
+    assert cost.ring_bytes_per_token == 32 * (4 * 2 + 2 * 4) * 8 * 128
+    bf16_grads = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, grad_bytes_per_element=2)
+    assert bf16_grads.ring_bytes_per_token == 32 * 6 * 2 * 8 * 128
 
 
 def test_bin_time_pays_ulysses_latency_once(cost: CostModel) -> None:

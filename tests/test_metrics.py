@@ -67,7 +67,9 @@ def test_record_round_trip_and_step_metrics():
     assert wall["cp/comm_ms"] == pytest.approx(200.0)
     replay = step_metrics(rec, replay=True)
     assert replay["bubble/dp"] == pytest.approx(1 - 4 / 5)
-    assert replay["bubble/pp"] == pytest.approx(0.6, abs=0.15)  # 2 microbatches, 4 stages (unequal times)
+    # 2 microbatches of 3 s and 2 s on 4 stages (F = t / 12, B = t / 6 per stage): stage 0 finishes B1 at 10/3 s
+    # (hand-worked 1F1B), each stage is useful (3 + 2) / 4 s: bubble 1 - 1.25 / (10 / 3)
+    assert replay["bubble/pp"] == pytest.approx(1 - 1.25 / (10 / 3), rel=1e-12)
 
 
 def test_bin_features_reproduce_bin_time():

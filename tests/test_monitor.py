@@ -83,7 +83,7 @@ def test_calibration_converges_from_a_three_x_wrong_start_and_survives_resume(tm
     assert len(errors) == 20
     assert errors[0] > 0.3, errors  # the start is visibly wrong
     converged = [k for k, e in enumerate(errors) if e < 0.10]
-    assert converged and converged[0] < 20, errors
+    assert converged and converged[0] <= 10, errors  # within the first half of the run
     # and it stays near: CPU timings of 4 ranks time-sharing 2 cores vary with what the other ranks run at the
     # same moment (single steps reach 10-25% error on this tiny model), so this bound is loose
     assert float(np.median(errors[-10:])) < 0.2, errors
@@ -92,11 +92,14 @@ def test_calibration_converges_from_a_three_x_wrong_start_and_survives_resume(tm
     assert runs[0]["end"] != wrong.to_dict()
     for name in ("bubble/dp", "bubble/pp", "balance/max_over_mean", "schedule/ms", "cp/comm_ms"):
         assert all(name in h for h in runs[0]["history"]), name
-    assert all(h["balance/max_over_mean"] >= 1.0 for h in runs[0]["history"])
 
     # the records and the logger got the metrics; the dashboard renders from them
     records = list((tmp_path / "cal").rglob(RECORDS_FILE))
     assert len(records) == 1 and len(records[0].read_text().splitlines()) == 20
+    # the logged balance is the one of the recorded per-rank busy times
+    for row, logged in zip(map(json.loads, records[0].read_text().splitlines()), runs[0]["history"], strict=True):
+        per_rank = np.asarray(row["record"]["busy"]).sum(axis=0)
+        assert logged["balance/max_over_mean"] == pytest.approx(per_rank.max() / per_rank.mean(), rel=1e-9)
     metrics_csv = next((tmp_path / "cal").rglob("metrics.csv")).read_text().splitlines()[0]
     for name in ("bubble/dp", "cost_model/error", "throughput/tokens_per_s", "cp/degree_hist/1"):
         assert name in metrics_csv, name

@@ -66,3 +66,29 @@ def test_group_lookup() -> None:
     assert plan.microbatches[0][0].index(1) == 1
     with pytest.raises(ValueError, match="not a member"):
         plan.microbatches[0][0].index(3)
+
+
+def test_group_views_of_a_nested_group() -> None:
+    # 8 ranks from 8: ulysses 2 x ring 4; members j = p * u + i
+    g = Group(tuple(range(8, 16)), 2, 4, (3, 1))
+    assert g.ulysses_blocks() == [(8, 9), (10, 11), (12, 13), (14, 15)]
+    assert g.ulysses_block(13) == (12, 13)
+    assert g.ring_peers(13) == (9, 11, 13, 15)
+    assert g.ring_peers(10) == (8, 10, 12, 14)
+    assert g.layout == Group(tuple(range(8, 16)), 2, 4) and hash(g.layout) == hash(Group(tuple(range(8, 16)), 2, 4))
+    with pytest.raises(ValueError, match="not a member"):
+        g.ring_peers(3)
+
+
+def test_shard_tokens_scalar_and_vectorised_agree() -> None:
+    import numpy as np
+
+    from lightning_hydra.planner import shard_tokens
+
+    assert shard_tokens(10, 2) == 6 and isinstance(shard_tokens(10, 2), int)  # pad 10 -> 12, two chunks of 3
+    assert shard_tokens(1, 8) == 2  # a sequence shorter than 2d still gives every member two (padded) tokens
+    lengths = np.array([1, 7, 16, 17, 262144])
+    degrees = np.array([1, 2, 3, 8])
+    table = shard_tokens(lengths[None, :], degrees[:, None])
+    assert table.dtype == np.int64
+    assert table.tolist() == [[shard_tokens(int(n), int(d)) for n in lengths] for d in degrees]

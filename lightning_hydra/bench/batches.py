@@ -24,7 +24,14 @@ def _stdlib(rng: np.random.Generator, n: int, context: int) -> np.ndarray:
     return np.minimum(rng.choice(pool, size=n, replace=True), context).astype(np.int64)
 
 
-DISTRIBUTIONS = {"lognormal": _lognormal_mixture, "stdlib": _stdlib}
+def _pareto(rng: np.random.Generator, n: int, context: int) -> np.ndarray:
+    """Power-law document lengths (Pareto, tail index 1.1, from 1024 tokens at 256K context, scaled with it): the
+    tail is heavier than the lognormal mixture's (more documents near the context limit)."""
+    scale = 1024 * context / 262144
+    return np.clip(scale * (1.0 + rng.pareto(1.1, n)), 16, context).astype(np.int64)
+
+
+DISTRIBUTIONS = {"lognormal": _lognormal_mixture, "stdlib": _stdlib, "pareto": _pareto}
 """Length distributions by name: each ``(rng, n, context) -> lengths``."""
 
 

@@ -1,21 +1,29 @@
-"""Closed-loop calibration: refit the cost model's compute coefficients from measured microbatch times.
+"""Closed-loop calibration: refit the cost model's coefficients from measured microbatch times.
 
 Every rank measures its busy time in every microbatch; the pairs ``(features, time)`` of all ranks are gathered,
 so every rank holds the same data and this pure function refits the same coefficients everywhere (the next plan's
-digest check would catch any divergence). The features of a rank's bin ``Ls`` at degree ``d`` are linear in the
-fitted coefficients::
+digest check would catch any divergence). The features of a rank's bin ``Ls`` at degree ``d = u * r`` are linear
+in the fitted coefficients (:data:`FITTED`, one feature each, in this order)::
 
-    compute = attn * sum(L**2 / d_eff) + linear * sum(L / d_eff) + seq_overhead * len(Ls)
+    busy  = attn * sum(L**2 / d_eff) + linear * sum(L / d_eff) + seq_overhead * len(Ls)
+            + length_overhead * sum(L) + bin_overhead + a2a_latency * [u > 1] + p2p_latency * (r - 1)
+    comm  = a2a_bytes / intra_node_bandwidth + ring_share * traffic + ring_exposure * max(0, traffic - hideable)
 
-             + a2a_latency * [u > 1] + p2p_latency * (r - 1)
+with ``d_eff`` the tile-bounded effective degree of :meth:`CostModel.effective_degree`, ``a2a_bytes`` the bytes
+that leave the rank in the Ulysses all-to-alls, ``traffic`` the ring's transfer seconds at the model's (fixed)
+inter-node bandwidth and ``hideable`` the attention that overlaps them (:meth:`CostModel.ring_steps`). The
+features are rich enough to fit truths of a different form than the analytic start: kernels that slow down on
+short per-rank chunks (``sum(L)``: attention at efficiency ``chunk / (chunk + h)`` costs ``attn * h * L`` more per
+rank; a tile floor is linear in ``L`` too), a per-microbatch fixed cost (GEMMs below peak on few tokens, launches),
+communication that is a fixed share of the ring traffic rather than what attention fails to hide, and an
+all-to-all volume with or without the GQA saving (one coefficient on the bytes).
 
-with ``d_eff`` the tile-bounded effective degree of :meth:`CostModel.effective_degree`. The two latencies are the
-fixed per-bin costs of CP (collective launches, the engine's per-step work), which a CPU timer sees as busy time.
-The last feature is the bin's bandwidth-bound communication as the current model predicts it (exposed ring
-traffic, all-to-all volume). Where the device's timer includes communication (CUDA events) the fit also scales it:
-one factor on the predicted communication, applied to the model as bandwidths divided by that factor (an
-approximation: exposure is not linear in bandwidth). A CPU thread timer excludes communication, and the factor
-stays 1.
+What is fitted depends on what was measured (:meth:`CostCalibrator.add`):
+
+- ``includes_comm=True`` (CUDA events around the whole microbatch): every coefficient, on ``busy + comm``;
+- ``includes_comm=False`` with ``comm=`` (a CPU thread timer plus the wall time in CP collectives): the busy
+  coefficients on the busy time and the communication coefficients on the measured communication, separately;
+- ``includes_comm=False`` alone: only the busy coefficients (communication keeps its current coefficients).
 
 The fit is a relative least-squares over a sliding window of steps, in column-normalised coordinates, with a ridge
 pulling towards the current coefficients: directions the data does not determine (for example ``seq_overhead``
@@ -31,21 +39,58 @@ from typing import Any
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.plan import Plan
 
-__all__ = ["FITTED", "NUM_FEATURES", "CostCalibrator", "bin_features", "predict", "relative_error"]
+__all__ = [
+    "BUSY",
+    "COMM",
+    "FITTED",
+    "NUM_FEATURES",
+    "CostCalibrator",
+    "bin_features",
+    "plan_features",
+    "predict",
+    "relative_error",
+]
 
-FITTED = ("attn", "linear", "seq_overhead", "a2a_latency", "p2p_latency")
-"""The coefficients calibration refits, in feature order."""
-NUM_FEATURES = len(FITTED) + 1
-"""Features per (rank, microbatch): one per fitted coefficient, then the predicted communication seconds."""
+FITTED = (
+    "attn",
+    "linear",
+    "seq_overhead",
+    "length_overhead",
+    "bin_overhead",
+    "a2a_latency",
+    "p2p_latency",
+    "intra_node_bandwidth",
+    "ring_share",
+    "ring_exposure",
+)
+"""The cost-model fields calibration refits, in feature order (``intra_node_bandwidth`` is fitted as its
+inverse, seconds per all-to-all byte)."""
+NUM_FEATURES = len(FITTED)
+"""Features per (rank, microbatch): one per fitted coefficient."""
+BUSY = np.arange(7)
+"""Feature columns of the work a thread timer sees (compute, overheads, collective launches)."""
+COMM = np.arange(7, NUM_FEATURES)
+"""Feature columns of bandwidth-bound communication (what a thread timer does not see)."""
+_POSITIVE = np.isin(np.arange(NUM_FEATURES), (0, 1, 7))  # rates: attn, linear, seconds per all-to-all byte
+
+
+def coefficients(cost: CostModel) -> np.ndarray:
+    """The fitted coefficients of ``cost`` as a vector in feature order."""
+    theta = np.array([float(getattr(cost, name)) for name in FITTED])
+    theta[7] = 1.0 / cost.intra_node_bandwidth
+    return theta
 
 
 def bin_features(cost: CostModel, lengths: np.ndarray | list[int], ulysses: int, ring: int) -> np.ndarray:
-    """Features of one rank's work on a bin: ``[sum L^2/d_eff, sum L/d_eff, count, [u > 1], r - 1, comm seconds]``.
+    """Features of one rank's work on a bin (see the module docstring; all zero for an idle rank).
+
+    Index 2 is the number of sequences, so ``features[..., 2] > 0`` marks a rank that held work.
 
     Args:
-        cost: The cost model that predicts the communication (and the tile bound of ``d_eff``).
-        lengths: Lengths of the bin's sequences (empty: an idle rank, all zero).
+        cost: The cost model that predicts the ring's traffic and hidden attention (and the tile bound).
+        lengths: Lengths of the bin's sequences (empty: an idle rank).
         ulysses: Ulysses degree of the group.
         ring: Ring degree of the group.
     """
@@ -54,21 +99,55 @@ def bin_features(cost: CostModel, lengths: np.ndarray | list[int], ulysses: int,
     if lens.size == 0:
         return out
     d_eff = cost.effective_degree(lens, ulysses * ring)
+    traffic, hideable = cost.ring_steps(lens, ulysses, ring)
     out[0] = float(np.sum(lens * lens / d_eff))
     out[1] = float(np.sum(lens / d_eff))
     out[2] = float(lens.size)
-    out[3] = 1.0 if ulysses > 1 else 0.0
-    out[4] = float(max(ring - 1, 0))
-    out[5] = cost.bin_time(lens, ulysses, ring) - float(predict(cost, out[None, :], includes_comm=False)[0])
+    out[3] = float(lens.sum())
+    out[4] = 1.0
+    out[5] = 1.0 if ulysses > 1 else 0.0
+    out[6] = float(max(ring - 1, 0))
+    out[7] = float(np.sum(cost.a2a_bytes(lens, ulysses, ring)))
+    out[8] = float(np.sum(traffic))
+    out[9] = max(0.0, out[8] - float(np.sum(hideable)))
+    return out
+
+
+def plan_features(plan: Plan, cost: CostModel) -> np.ndarray:
+    """:func:`bin_features` of every rank in every microbatch of ``plan``, vectorised: ``[M * N, NUM_FEATURES]``
+    with row ``m * N + rank`` (idle ranks all zero)."""
+    mb, start, u, r, seq, gid = plan.flat()
+    n_groups = u.size
+    lens = np.asarray(plan.lengths, dtype=np.float64)[seq]
+    us, rs = u[gid], r[gid]
+    d_eff = cost.effective_degree(lens, us * rs)
+    traffic, hideable = cost.ring_steps(lens, us, rs)
+    per = np.zeros((n_groups, NUM_FEATURES))
+    for col, values in enumerate((lens * lens / d_eff, lens / d_eff, np.ones_like(lens), lens)):
+        per[:, col] = np.bincount(gid, weights=values, minlength=n_groups)
+    busy = per[:, 2] > 0
+    per[:, 4] = busy
+    per[:, 5] = busy & (u > 1)
+    per[:, 6] = np.where(busy, np.maximum(r - 1, 0), 0)
+    per[:, 7] = np.bincount(gid, weights=cost.a2a_bytes(lens, us, rs), minlength=n_groups)
+    per[:, 8] = np.bincount(gid, weights=traffic, minlength=n_groups)
+    per[:, 9] = np.maximum(per[:, 8] - np.bincount(gid, weights=hideable, minlength=n_groups), 0.0)
+    size = u * r
+    rows = np.repeat(mb * plan.world_size + start, size) + (
+        np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
+    )
+    out = np.zeros((plan.num_microbatches * plan.world_size, NUM_FEATURES))
+    out[rows] = np.repeat(per, size, axis=0)
     return out
 
 
 def predict(cost: CostModel, features: np.ndarray, *, includes_comm: bool) -> np.ndarray:
-    """Predicted seconds of every row of ``features`` (``[n, NUM_FEATURES]``): compute, plus the predicted
-    communication when the measured time includes it."""
+    """Predicted seconds of every row of ``features`` (``[n, NUM_FEATURES]``): the busy part, plus the
+    communication when the measured time includes it (then it equals :meth:`CostModel.bin_time`)."""
     f = np.asarray(features, dtype=np.float64).reshape(-1, NUM_FEATURES)
-    theta = np.array([getattr(cost, name) for name in FITTED])
-    return f[:, : len(FITTED)] @ theta + (f[:, -1] if includes_comm else 0.0)
+    theta = coefficients(cost)
+    cols = np.arange(NUM_FEATURES) if includes_comm else BUSY
+    return f[:, cols] @ theta[cols]
 
 
 def relative_error(predicted: np.ndarray, measured: np.ndarray) -> float:
@@ -82,7 +161,7 @@ def relative_error(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 @dataclass(kw_only=True)
 class CostCalibrator:
-    """Sliding-window least-squares refit of the compute coefficients of a :class:`CostModel`."""
+    """Sliding-window least-squares refit of the coefficients of a :class:`CostModel`."""
 
     window: int = 16
     """Steps of measurements the fit uses (older ones are dropped: the machine's speed may drift)."""
@@ -94,49 +173,82 @@ class CostCalibrator:
     max_condition: float = 1e8
     """Largest condition number of the normalised design accepted; worse fits are skipped."""
     max_change: float = 100.0
-    """Largest factor by which one refit may move a coefficient (a guard against a corrupt measurement)."""
+    """Largest factor by which one refit may move a rate (``attn``, ``linear``, the all-to-all bandwidth): a guard
+    against a corrupt measurement."""
     _rows: deque = field(default_factory=deque, init=False, repr=False)
-    comm_scale: float = field(default=1.0, init=False)
-    """Fitted factor on communication time relative to the bandwidths of the first model refitted."""
-    _bandwidths: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    _first_bandwidth: float = field(default=0.0, init=False, repr=False)
+    _bandwidth: float = field(default=0.0, init=False, repr=False)
     refits: int = field(default=0, init=False)
     """Refits applied so far."""
     skipped: int = field(default=0, init=False)
     """Refits skipped as ill-conditioned or non-physical."""
 
-    def add(self, features: np.ndarray, times: np.ndarray, *, includes_comm: bool) -> None:
-        """Add one step's measurements: ``features`` ``[n, NUM_FEATURES]`` and measured seconds ``[n]``."""
+    def add(
+        self, features: np.ndarray, times: np.ndarray, *, includes_comm: bool, comm: np.ndarray | None = None
+    ) -> None:
+        """Add one step's measurements.
+
+        Args:
+            features: ``[n, NUM_FEATURES]`` rows from :func:`bin_features` (one per rank and microbatch).
+            times: ``[n]`` measured seconds of each row: the microbatch's busy time on that rank.
+            includes_comm: Whether ``times`` include the time spent in CP communication (CUDA events around the
+                whole microbatch: ``True``; a CPU thread timer: ``False``).
+            comm: Optional ``[n]`` wall seconds the rank spent *inside CP collectives* in that microbatch (the
+                Ulysses all-to-alls and the ring's send/receive waits: what ``CommClock`` accumulates), same rows as
+                ``times``. With it the communication coefficients are fitted too; when ``includes_comm`` is also
+                ``True`` it is taken to be part of ``times``.
+        """
         f = np.asarray(features, dtype=np.float64).reshape(-1, NUM_FEATURES)
         t = np.asarray(times, dtype=np.float64).ravel()
+        c = None if comm is None else np.asarray(comm, dtype=np.float64).ravel()
+        if c is not None and c.shape != t.shape:
+            raise ValueError(f"comm has {c.size} rows, times has {t.size}")
         busy = (t > 0) & (f[:, 2] > 0)
-        # communication in the units of the first model (later rows were planned with rescaled bandwidths)
-        comm = f[busy, -1] / self.comm_scale if includes_comm else np.zeros(int(busy.sum()))
-        self._rows.append((f[busy, : len(FITTED)], t[busy], comm))
+        if c is not None and includes_comm:
+            t = t - c  # the thread's own work; the communication is fitted from ``comm``
+        self._rows.append((f[busy], t[busy], None if c is None else c[busy], bool(includes_comm and c is None)))
         while len(self._rows) > self.window:
             self._rows.popleft()
 
+    def _system(self) -> tuple[np.ndarray, np.ndarray]:
+        """Stacked equations ``a @ theta = b`` of the window, each row divided by its measured time."""
+        eqs: list[np.ndarray] = []
+        rhs: list[np.ndarray] = []
+        for f, t, c, joint in self._rows:
+            if joint:  # the time includes communication: one equation over every coefficient
+                eqs.append(f)
+                rhs.append(t)
+                continue
+            busy = f.copy()
+            busy[:, COMM] = 0.0
+            eqs.append(busy)
+            rhs.append(t)
+            if c is not None:
+                keep = c > 0
+                only = np.zeros_like(f[keep])
+                only[:, COMM] = f[keep][:, COMM]
+                eqs.append(only)
+                rhs.append(c[keep])
+        a = np.concatenate(eqs) if eqs else np.zeros((0, NUM_FEATURES))
+        b = np.concatenate(rhs) if rhs else np.zeros(0)
+        ok = b > 0
+        return a[ok] / b[ok, None], np.ones(int(ok.sum()))
+
     def refit(self, cost: CostModel) -> CostModel:
-        """The cost model with its compute coefficients refitted to the window (``cost`` itself when the data
-        cannot support a fit)."""
+        """The cost model with its coefficients refitted to the window (``cost`` itself when the data cannot
+        support a fit)."""
         if not self._rows:
             return cost
-        if self._bandwidths is None:
-            self._bandwidths = (cost.intra_node_bandwidth, cost.inter_node_bandwidth)
-        x = np.concatenate([np.column_stack([r[0], r[2]]) for r in self._rows])  # fitted features, communication
-        t = np.concatenate([r[1] for r in self._rows])
-        if len(t) < self.min_rows:
+        a, b = self._system()
+        if len(b) < self.min_rows:
             return cost
-        w = 1.0 / t  # relative errors: a short microbatch counts as much as a long one
-        a = x * w[:, None]
-        b = t * w
         norms = np.linalg.norm(a, axis=0)
-        theta0 = np.array([*(getattr(cost, name) for name in FITTED), self.comm_scale])
+        theta0 = coefficients(cost)
         theta = theta0.copy()
         free = norms > 0  # a feature absent from the window leaves its coefficient alone
-        rates = np.isin(np.arange(len(theta)), (0, 1, len(FITTED)))  # attn, linear, communication: positive
         # active set: a coefficient the unconstrained fit drives below zero is pinned (rates at their current
-        # value, overheads at zero) and the others are refitted without it
-        for _ in range(len(theta)):
+        # value, the others at zero) and the rest is refitted without it
+        for _ in range(NUM_FEATURES):
             if not free.any():
                 break
             pinned = ~free
@@ -150,41 +262,53 @@ class CostCalibrator:
                 return cost
             sol, *_ = np.linalg.lstsq(design, rhs, rcond=None)
             theta[free] = sol / norms[free]
-            negative = free & (theta < 0) | free & rates & (theta <= 0)
+            negative = free & ((theta < 0) | (_POSITIVE & (theta <= 0)))
             if not negative.any():
                 break
-            theta[negative] = np.where(rates, theta0, 0.0)[negative]
+            theta[negative] = np.where(_POSITIVE, theta0, 0.0)[negative]
             free &= ~negative
-        low, high = theta0[rates] / self.max_change, theta0[rates] * self.max_change
-        if np.any(theta[rates] <= 0) or np.any((theta[rates] < low) | (theta[rates] > high)):
+        low, high = theta0[_POSITIVE] / self.max_change, theta0[_POSITIVE] * self.max_change
+        if np.any(theta[_POSITIVE] <= 0) or np.any((theta[_POSITIVE] < low) | (theta[_POSITIVE] > high)):
             self.skipped += 1
             return cost
         self.refits += 1
-        self.comm_scale = float(theta[-1])
-        intra, inter = self._bandwidths
-        return cost.replace(
-            **{name: float(v) for name, v in zip(FITTED, theta[:-1], strict=True)},
-            intra_node_bandwidth=intra / self.comm_scale,
-            inter_node_bandwidth=inter / self.comm_scale,
-        )
+        values = {name: float(v) for name, v in zip(FITTED, theta, strict=True)}
+        values["intra_node_bandwidth"] = cost.intra_node_bandwidth if theta[7] == theta0[7] else 1.0 / theta[7]
+        self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
+        self._bandwidth = values["intra_node_bandwidth"]
+        return cost.replace(**values)
+
+    @property
+    def comm_scale(self) -> float:
+        """All-to-all bandwidth of the first model refitted over the current one (1: communication as first
+        assumed; 2: twice as slow)."""
+        return self._first_bandwidth / self._bandwidth if self._first_bandwidth else 1.0
 
     def state_dict(self) -> dict[str, Any]:
         """The window and counters (plain lists, for checkpoints)."""
         return {
-            "rows": [[r[0].tolist(), r[1].tolist(), r[2].tolist()] for r in self._rows],
-            "comm_scale": self.comm_scale,
-            "bandwidths": list(self._bandwidths) if self._bandwidths else None,
+            "num_features": NUM_FEATURES,
+            "rows": [
+                [f.tolist(), t.tolist(), None if c is None else c.tolist(), joint] for f, t, c, joint in self._rows
+            ],
             "refits": self.refits,
             "skipped": self.skipped,
+            "bandwidths": [self._first_bandwidth, self._bandwidth],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`."""
-        self._rows = deque(
-            (np.asarray(x, dtype=np.float64).reshape(-1, len(FITTED)), np.asarray(t), np.asarray(y))
-            for x, t, y in state["rows"]
-        )
-        self.comm_scale = float(state.get("comm_scale", 1.0))
-        self._bandwidths = tuple(state["bandwidths"]) if state.get("bandwidths") else None  # type: ignore[assignment]
+        """Inverse of :meth:`state_dict` (a window saved with other features is dropped: it cannot be refitted)."""
+        self._rows = deque()
+        if state.get("num_features") == NUM_FEATURES:
+            for f, t, c, joint in state["rows"]:
+                self._rows.append(
+                    (
+                        np.asarray(f, dtype=np.float64).reshape(-1, NUM_FEATURES),
+                        np.asarray(t, dtype=np.float64),
+                        None if c is None else np.asarray(c, dtype=np.float64),
+                        bool(joint),
+                    )
+                )
         self.refits = int(state.get("refits", 0))
         self.skipped = int(state.get("skipped", 0))
+        self._first_bandwidth, self._bandwidth = (float(x) for x in state.get("bandwidths", (0.0, 0.0)))

@@ -5,21 +5,26 @@ fields so that calibration (a later refit from measured times) can hand new valu
 
 Per sequence of length ``L`` on a group of degree ``d = u * r`` (DESIGN.md section 3)::
 
-    compute(L, d) = (attn * L**2 + linear * L) / min(d, max(1, L / min_chunk_tokens)) + seq_overhead
-    a2a(L, d, u)  = a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_bw                         (if u > 1)
-    step_comm     = ring_bytes_per_token * (L / r) / u / inter_bw     one KV block hop, fwd + bwd
-    step_attn     = attn * L**2 / (d * r)                             the attention one hop can hide behind
+    compute(L, d) = (attn * L**2 + linear * L) / d_eff + seq_overhead + length_overhead * L
+                    d_eff = min(d, max(1, L / min_chunk_tokens))
+    a2a(L, d, u)  = [u > 1] a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_node_bandwidth
+    traffic       = (r - 1) * ring_bytes_per_token * (L / r) / u / inter_node_bandwidth   (all KV hops, fwd + bwd)
+    hideable      = (r - 1) * attn * L**2 / (u * r**2)                          (the attention those hops overlap)
 
 A *bin* (the sequences one group processes together) moves all its KV blocks in one batched transfer per ring
-step and computes all their attention while it travels, so exposure and latencies are per bin::
+step and computes all their attention while it travels, so exposure and fixed costs are per bin::
 
-    bin(Ls, u, r) = sum(compute + a2a) + [u > 1] a2a_latency
-                    + [r > 1] (r - 1) * (max(0, sum(step_comm) - sum(step_attn)) + p2p_latency)
+    bin(Ls, u, r) = sum(compute + a2a + ring_share * traffic)
+                    + ring_exposure * max(0, sum(traffic) - sum(hideable))
+                    + bin_overhead + [u > 1] a2a_latency + (r - 1) * p2p_latency
 
 A short sequence sharing a ring group with a long one therefore hides its KV transfer behind the long one's
-attention, while a bin of short sequences alone exposes its ring traffic. Kernels work in tiles: splitting a
-sequence below ``min_chunk_tokens`` per rank buys no more speed (the effective degree in ``compute`` saturates),
-while the split still pays communication and overheads.
+attention, while a bin of short sequences alone exposes its ring traffic. The form has a term for every effect
+calibration must be able to learn from measured times: kernels that run below peak on short per-rank chunks
+(``length_overhead``: attention at an efficiency ``chunk / (chunk + h)`` costs ``attn * (L**2 / d + h * L)``;
+``min_chunk_tokens``: a tile floor), the fixed part of every microbatch (``bin_overhead``: launches, the
+size-independent part of GEMMs), per-sequence bookkeeping, communication that overlaps with attention
+(``ring_exposure``) or does not (``ring_share``), and the all-to-all volume (``intra_node_bandwidth``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ class CostModel:
     """Seconds per token on one rank (GEMMs, norms, MLP, LM head; forward plus backward)."""
     seq_overhead: float = 0.0
     """Seconds per sequence per rank that do not shrink with the degree (kernel launches, bookkeeping)."""
+    length_overhead: float = 0.0
+    """Seconds per token of every sequence a rank works on, not divided by the degree: kernels on short per-rank
+    chunks run below peak (attention at efficiency ``chunk / (chunk + h)`` costs ``attn * h`` per token more)."""
+    bin_overhead: float = 0.0
+    """Seconds per microbatch of every busy rank (launches of all layers, the size-independent part of GEMMs)."""
     a2a_bytes_per_token: float = 0.0
     """Bytes one rank exchanges per local token in the Ulysses all-to-alls of all layers, forward plus backward
     (q, k, v and the output, before the ``(u - 1) / u`` share that leaves the rank)."""
@@ -62,6 +72,11 @@ class CostModel:
     """Per-rank chunk below which splitting a sequence further buys no speed (a kernel tile)."""
     p2p_latency: float = 0.0
     """Fixed seconds per ring step for the P2P transfers of all layers."""
+    ring_share: float = 0.0
+    """Share of all ring traffic that is exposed whatever attention hides (imperfect overlap, contention)."""
+    ring_exposure: float = 1.0
+    """Weight of the ring traffic that the bin's attention fails to hide (1: transfers and attention overlap
+    perfectly, the rest is exposed)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -76,6 +91,7 @@ class CostModel:
         *,
         flops_per_second: float = 400e12,
         bytes_per_element: int = 2,
+        grad_bytes_per_element: int = 4,
         intra_node_bandwidth: float = 400e9,
         inter_node_bandwidth: float = 50e9,
         seq_overhead: float = 20e-6,
@@ -96,7 +112,10 @@ class CostModel:
             ffn_hidden_size: SwiGLU inner width; defaults to ``4 * hidden_size``.
             vocab_size: Vocabulary size (LM head GEMM).
             flops_per_second: Achieved (not peak) FLOP rate of one rank.
-            bytes_per_element: Activation element size on the wire (2 for bf16).
+            bytes_per_element: Activation element size on the wire (2 for bf16): q, k, v, the output and the KV
+                blocks of the ring.
+            grad_bytes_per_element: Element size of dK/dV on the ring (4: the engine accumulates and sends them in
+                float32 so that every rank sums them exactly).
             intra_node_bandwidth: All-to-all bytes/s per rank inside a node.
             inter_node_bandwidth: P2P bytes/s per rank between nodes.
             seq_overhead: Seconds per sequence per rank that do not shrink with the degree.
@@ -117,14 +136,14 @@ class CostModel:
         params = num_layers * per_layer + hidden_size * vocab_size
         # Ulysses moves q, k, v in and the output back, forward; the same volume again backward (gradients).
         a2a_elems = 2 * (hidden_size + 2 * kv_dim + hidden_size)
-        # The ring moves k and v forward; backward it moves k, v again plus dk, dv.
-        ring_elems = 2 * kv_dim + 4 * kv_dim
+        # The ring moves k and v forward; backward it moves k, v again (activation dtype) plus dK, dV (float32).
+        ring_bytes = 4 * kv_dim * bytes_per_element + 2 * kv_dim * grad_bytes_per_element
         return cls(
             attn=6.0 * hidden_size * num_layers / flops_per_second,
             linear=6.0 * params / flops_per_second,
             seq_overhead=seq_overhead,
             a2a_bytes_per_token=float(a2a_elems * bytes_per_element * num_layers),
-            ring_bytes_per_token=float(ring_elems * bytes_per_element * num_layers),
+            ring_bytes_per_token=float(ring_bytes * num_layers),
             intra_node_bandwidth=intra_node_bandwidth,
             inter_node_bandwidth=inter_node_bandwidth,
             a2a_latency=a2a_latency,
@@ -142,10 +161,10 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, values: dict[str, float]) -> CostModel:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict` (fields a dict from an older version lacks keep their defaults)."""
         return cls(**values)
 
-    # ------------------------------------------------------------------ predictions
+    # ------------------------------------------------------------------ per sequence
     def useful(self, length: ArrayLike) -> ArrayLike:
         """Useful compute of a whole sequence on one rank: ``attn * L**2 + linear * L`` (no overheads)."""
         length = np.asarray(length, dtype=np.float64)
@@ -157,15 +176,24 @@ class CostModel:
         return np.minimum(np.asarray(degree, dtype=np.float64), np.maximum(1.0, length / self.min_chunk_tokens))
 
     def compute(self, length: ArrayLike, degree: ArrayLike) -> ArrayLike:
-        """Per-rank compute of a sequence split over ``degree`` ranks, per-sequence overhead included."""
-        return self.useful(length) / self.effective_degree(length, degree) + self.seq_overhead
+        """Per-rank compute of a sequence split over ``degree`` ranks, per-sequence overheads included."""
+        length = np.asarray(length, dtype=np.float64)
+        return (
+            self.useful(length) / self.effective_degree(length, degree)
+            + self.seq_overhead
+            + self.length_overhead * length
+        )
 
     def a2a(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
         """Per-rank Ulysses all-to-all time of a sequence (bandwidth only; the latency is per bin)."""
+        return self.a2a_bytes(length, ulysses, ring) / self.intra_node_bandwidth
+
+    def a2a_bytes(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Bytes that leave one rank in the Ulysses all-to-alls of a sequence (all layers, forward plus backward)."""
         length = np.asarray(length, dtype=np.float64)
         u = np.asarray(ulysses, dtype=np.float64)
         d = u * np.asarray(ring, dtype=np.float64)
-        return np.where(u > 1, self.a2a_bytes_per_token * (length / d) * (u - 1) / u / self.intra_node_bandwidth, 0.0)
+        return np.where(u > 1, self.a2a_bytes_per_token * (length / d) * (u - 1) / u, 0.0)
 
     def ring_steps(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> tuple[ArrayLike, ArrayLike]:
         """``(r - 1) * step_comm`` and ``(r - 1) * step_attn`` of a sequence: its ring traffic and the attention
@@ -178,57 +206,96 @@ class CostModel:
         attn = steps * self.attn * length * length / (u * r * r)
         return comm, attn
 
-    def latency(self, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
-        """Fixed per-bin time of the collectives: the all-to-all latency and one P2P latency per ring step."""
+    def fixed(self, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Fixed per-bin time of a busy rank: ``bin_overhead``, the all-to-all latency and one P2P latency per
+        ring step."""
         u = np.asarray(ulysses, dtype=np.float64)
         r = np.asarray(ring, dtype=np.float64)
-        return np.where(u > 1, self.a2a_latency, 0.0) + np.maximum(r - 1, 0.0) * self.p2p_latency
+        return self.bin_overhead + np.where(u > 1, self.a2a_latency, 0.0) + np.maximum(r - 1, 0.0) * self.p2p_latency
+
+    def exposed(self, traffic: ArrayLike, hideable: ArrayLike) -> ArrayLike:
+        """Exposed ring time of a bin from its summed ring traffic and hideable attention."""
+        traffic = np.asarray(traffic, dtype=np.float64)
+        return self.ring_exposure * np.maximum(traffic - np.asarray(hideable), 0.0) + self.ring_share * traffic
 
     def comm(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
         """Exposed per-rank CP communication of a sequence that has its group to itself (latencies included)."""
-        step_comm, step_attn = self.ring_steps(length, ulysses, ring)
-        return self.a2a(length, ulysses, ring) + np.maximum(step_comm - step_attn, 0.0) + self.latency(ulysses, ring)
-
-    def sequence(self, length: ArrayLike, ulysses: ArrayLike = 1, ring: ArrayLike = 1) -> ArrayLike:
-        """Per-rank time of one sequence alone on a group of ``ulysses * ring`` ranks: compute plus exposed
-        communication."""
         u = np.asarray(ulysses, dtype=np.float64)
         r = np.asarray(ring, dtype=np.float64)
-        return self.compute(length, u * r) + self.comm(length, u, r)
+        traffic, hideable = self.ring_steps(length, u, r)
+        latency = np.where(u > 1, self.a2a_latency, 0.0) + np.maximum(r - 1, 0.0) * self.p2p_latency
+        return self.a2a(length, u, r) + self.exposed(traffic, hideable) + latency
 
-    def parts(
-        self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Additive parts of bin time for every degree ``k`` and length ``i``: ``[K, n]`` arrays of
-        ``compute + a2a``, ring traffic and hideable attention (see :meth:`bin_time`)."""
+    def sequence(self, length: ArrayLike, ulysses: ArrayLike = 1, ring: ArrayLike = 1) -> ArrayLike:
+        """Per-rank time of one sequence alone on a group of ``ulysses * ring`` ranks: compute, exposed
+        communication and the bin's fixed overhead."""
+        u = np.asarray(ulysses, dtype=np.float64)
+        r = np.asarray(ring, dtype=np.float64)
+        return self.compute(length, u * r) + self.comm(length, u, r) + self.bin_overhead
+
+    # ------------------------------------------------------------------ tables and bins
+    def parts(self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Additive parts of bin time for every degree ``k`` and length ``i``, ``[K, n]`` arrays: ``base`` (compute,
+        all-to-all and the always-exposed ring share) and ``net`` (ring traffic minus the attention that can hide
+        it). A bin's time is ``sum(base) + ring_exposure * max(0, sum(net)) + fixed(u, r)``."""
         lens = np.asarray(lengths, dtype=np.float64)[None, :]
         u = np.asarray(ulysses, dtype=np.float64)[:, None]
         r = np.asarray(ring, dtype=np.float64)[:, None]
         d = u * r
         a2a = np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / self.intra_node_bandwidth, 0.0)
         d_eff = np.minimum(d, np.maximum(1.0, lens / self.min_chunk_tokens))
-        base = lens * ((self.linear + self.attn * lens) / d_eff + a2a / d) + self.seq_overhead
         steps = np.maximum(r - 1, 0.0)
-        comm = lens * (steps * self.ring_bytes_per_token / (r * u) / self.inter_node_bandwidth)
-        attn = lens * lens * (steps * self.attn / (u * r * r))
-        return base, comm, attn
+        traffic = lens * (steps * self.ring_bytes_per_token / (r * u) / self.inter_node_bandwidth)
+        hideable = lens * lens * (steps * self.attn / (u * r * r))
+        base = (
+            lens * ((self.linear + self.attn * lens) / d_eff + a2a / d + self.length_overhead)
+            + self.seq_overhead
+            + self.ring_share * traffic
+        )
+        return base, traffic - hideable
+
+    def pair_parts(self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`parts` element-wise: ``base`` and ``net`` of sequence ``i`` at degree ``(ulysses[i], ring[i])``."""
+        lens = np.asarray(lengths, dtype=np.float64)
+        u = np.asarray(ulysses, dtype=np.float64)
+        r = np.asarray(ring, dtype=np.float64)
+        traffic, hideable = self.ring_steps(lens, u, r)
+        base = self.compute(lens, u * r) + self.a2a(lens, u, r) + self.ring_share * traffic
+        return base, traffic - hideable
 
     def table(self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> np.ndarray:
         """:meth:`sequence` for every degree ``(ulysses[k], ring[k])`` and length ``lengths[i]``: ``[K, n]``."""
-        base, comm, attn = self.parts(lengths, ulysses, ring)
-        lat = self.latency(np.asarray(ulysses), np.asarray(ring))[:, None]
-        return base + np.maximum(comm - attn, 0.0) + lat
+        base, net = self.parts(lengths, ulysses, ring)
+        fixed = self.fixed(np.asarray(ulysses), np.asarray(ring))[:, None]
+        return base + self.ring_exposure * np.maximum(net, 0.0) + fixed
+
+    def group_loads(self, lengths: np.ndarray, group: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> np.ndarray:
+        """Per-rank time of every group ``[G]`` from flat arrays: the length and group index of every placed
+        sequence, and each group's Ulysses and ring degrees (a group without sequences costs nothing)."""
+        lens = np.asarray(lengths, dtype=np.float64)
+        gid = np.asarray(group, dtype=np.int64)
+        u_g = np.asarray(ulysses, dtype=np.float64)
+        r_g = np.asarray(ring, dtype=np.float64)
+        n = u_g.size
+        u, r = u_g[gid], r_g[gid]
+        base = self.compute(lens, u * r) + self.a2a(lens, u, r)
+        traffic, hideable = self.ring_steps(lens, u, r)
+        sums = np.bincount(gid, weights=base, minlength=n)
+        exposed = self.exposed(
+            np.bincount(gid, weights=traffic, minlength=n), np.bincount(gid, weights=hideable, minlength=n)
+        )
+        busy = np.bincount(gid, minlength=n) > 0
+        return np.where(busy, sums + exposed + self.fixed(u_g, r_g), 0.0)
 
     def bin_time(self, lengths: ArrayLike, ulysses: int = 1, ring: int = 1) -> float:
         """Predicted time of one rank of a group that processes ``lengths`` together at ``ulysses * ring``.
 
         Compute and all-to-all volume add up; the ring's traffic is exposed only where the bin's total traffic
-        exceeds the bin's total attention, and latencies are paid once per bin.
+        exceeds the bin's total attention (plus the always-exposed share), and fixed costs are paid once per bin.
         """
-        lengths = np.asarray(lengths, dtype=np.float64)
-        if lengths.size == 0:
+        lens = np.asarray(lengths, dtype=np.float64).ravel()
+        if lens.size == 0:
             return 0.0
-        base = self.compute(lengths, ulysses * ring) + self.a2a(lengths, ulysses, ring)
-        step_comm, step_attn = self.ring_steps(lengths, ulysses, ring)
-        exposed = max(0.0, float(np.sum(step_comm)) - float(np.sum(step_attn)))
-        return float(np.sum(base)) + exposed + float(self.latency(ulysses, ring))
+        return float(
+            self.group_loads(lens, np.zeros(lens.size, dtype=np.int64), np.asarray([ulysses]), np.asarray([ring]))[0]
+        )

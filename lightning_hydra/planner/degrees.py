@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["DegreeRules", "shard_tokens", "pow2_ceil"]
+import numpy as np
+
+__all__ = ["DegreeRules", "pow2_ceil", "shard_tokens"]
+
+ArrayLike = np.ndarray | int
 
 
-def shard_tokens(length: int, degree: int) -> int:
+def shard_tokens(length: ArrayLike, degree: ArrayLike) -> Any:
     """Tokens one member holds of a sequence split over ``degree`` ranks in the zigzag layout.
 
-    The sequence is padded to a multiple of ``2 * degree`` and every member holds two of the ``2 * degree`` chunks.
+    The sequence is padded to a multiple of ``2 * degree`` and every member holds two of the ``2 * degree`` chunks
+    of ``ceil(length / (2 * degree))`` tokens. This is the one definition of the shard size: the policies, the plan's
+    checks and the engine's layout all use it.
+
+    Args:
+        length: Sequence length(s); a Python int or a numpy integer array.
+        degree: CP degree(s), broadcast against ``length``.
+
+    Returns:
+        A Python ``int`` for scalar inputs, else an int64 array of the broadcast shape.
     """
+    if isinstance(length, np.ndarray) or isinstance(degree, np.ndarray):
+        lengths = np.asarray(length, dtype=np.int64)
+        degrees = np.asarray(degree, dtype=np.int64)
+        return 2 * -(-lengths // (2 * degrees))
     return 2 * -(-int(length) // (2 * int(degree)))
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.degrees import shard_tokens
 
 __all__ = ["Group", "Plan", "PlanError"]
 
@@ -48,6 +49,25 @@ class Group:
         except ValueError:
             raise ValueError(f"rank {rank} is not a member of the group with ranks {self.ranks}") from None
 
+    @property
+    def layout(self) -> Group:
+        """The group without its bin: what identifies its communicators (hashable, equal across microbatches)."""
+        return self if not self.seq_ids else Group(self.ranks, self.ulysses, self.ring)
+
+    def ulysses_blocks(self) -> list[tuple[int, ...]]:
+        """Global ranks of every Ulysses block (``ulysses`` consecutive members), in ring order."""
+        u = self.ulysses
+        return [self.ranks[s : s + u] for s in range(0, len(self.ranks), u)]
+
+    def ulysses_block(self, rank: int) -> tuple[int, ...]:
+        """Global ranks of the Ulysses block ``rank`` belongs to."""
+        p = self.index(rank) // self.ulysses
+        return self.ranks[p * self.ulysses : (p + 1) * self.ulysses]
+
+    def ring_peers(self, rank: int) -> tuple[int, ...]:
+        """Global ranks of ``rank``'s ring (the members with its Ulysses index), in ring order."""
+        return self.ranks[self.index(rank) % self.ulysses :: self.ulysses]
+
 
 @dataclass
 class Plan:
@@ -79,56 +99,38 @@ class Plan:
         raise PlanError(f"rank {rank} is in no group of microbatch {microbatch}")
 
     # ------------------------------------------------------------------ per-rank views
-    def _members(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Flat arrays over (microbatch, group, sequence): microbatch, group number, sequence, ulysses, ring."""
-        mbs, gids, seqs, us, rs = [], [], [], [], []
-        gid = 0
-        for m, groups in enumerate(self.microbatches):
-            for g in groups:
-                k = len(g.seq_ids)
-                mbs.append(np.full(k, m))
-                gids.append(np.full(k, gid))
-                seqs.append(np.asarray(g.seq_ids, dtype=np.int64))
-                us.append(np.full(k, g.ulysses))
-                rs.append(np.full(k, g.ring))
-                gid += 1
-        if not seqs:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, empty, empty
-        return tuple(np.concatenate(a).astype(np.int64) for a in (mbs, gids, seqs, us, rs))  # type: ignore[return-value]
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The plan as flat arrays: per group its microbatch, first rank, Ulysses and ring degrees; per placed
+        sequence its index and group number (groups numbered in microbatch order)."""
+        groups = [(m, g) for m, gs in enumerate(self.microbatches) for g in gs]
+        mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=len(groups))
+        start = np.fromiter((g.ranks[0] for _, g in groups), dtype=np.int64, count=len(groups))
+        u = np.fromiter((g.ulysses for _, g in groups), dtype=np.int64, count=len(groups))
+        r = np.fromiter((g.ring for _, g in groups), dtype=np.int64, count=len(groups))
+        counts = np.fromiter((len(g.seq_ids) for _, g in groups), dtype=np.int64, count=len(groups))
+        seq = np.fromiter((i for _, g in groups for i in g.seq_ids), dtype=np.int64, count=int(counts.sum()))
+        gid = np.repeat(np.arange(len(groups), dtype=np.int64), counts)
+        return mb, start, u, r, seq, gid
 
-    def _spread(self, per_group: np.ndarray) -> np.ndarray:
-        """Broadcast one value per group (in :meth:`_members` numbering) to ``[num_microbatches, world_size]``."""
+    def _spread(self, mb: np.ndarray, start: np.ndarray, size: np.ndarray, per_group: np.ndarray) -> np.ndarray:
+        """Broadcast one value per group to ``[num_microbatches, world_size]``."""
         out = np.zeros((self.num_microbatches, self.world_size), dtype=per_group.dtype)
-        gid = 0
-        for m, groups in enumerate(self.microbatches):
-            for g in groups:
-                out[m, g.ranks[0] : g.ranks[0] + g.degree] = per_group[gid]
-                gid += 1
+        rows = np.repeat(mb, size)
+        cols = np.repeat(start, size) + (np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size))
+        out[rows, cols] = np.repeat(per_group, size)
         return out
-
-    def _num_groups(self) -> int:
-        return sum(len(groups) for groups in self.microbatches)
 
     def loads(self, cost: CostModel) -> np.ndarray:
         """Predicted time ``[num_microbatches, world_size]`` of every rank (:meth:`CostModel.bin_time` of its bin)."""
-        _, gid, seq, u, r = self._members()
+        mb, start, u, r, seq, gid = self.flat()
         lengths = np.asarray(self.lengths, dtype=np.float64)[seq]
-        n = self._num_groups()
-        base = np.bincount(gid, weights=cost.compute(lengths, u * r) + cost.a2a(lengths, u, r), minlength=n)
-        step_comm, step_attn = cost.ring_steps(lengths, u, r)
-        exposed = np.maximum(np.bincount(gid, weights=step_comm - step_attn, minlength=n), 0.0)
-        fixed = np.zeros(n)
-        first = np.unique(gid, return_index=True)[1]
-        fixed[gid[first]] = cost.latency(u[first], r[first])
-        return self._spread(base + exposed + fixed)
+        return self._spread(mb, start, u * r, cost.group_loads(lengths, gid, u, r))
 
     def tokens(self) -> np.ndarray:
         """Tokens ``[num_microbatches, world_size]`` held per rank (zigzag shards, padding included)."""
-        _, gid, seq, u, r = self._members()
-        lengths = np.asarray(self.lengths, dtype=np.int64)
-        shard = 2 * -(-lengths[seq] // (2 * u * r))
-        return self._spread(np.bincount(gid, weights=shard, minlength=self._num_groups()).astype(np.int64))
+        mb, start, u, r, seq, gid = self.flat()
+        shard = shard_tokens(np.asarray(self.lengths, dtype=np.int64)[seq], (u * r)[gid])
+        return self._spread(mb, start, u * r, np.bincount(gid, weights=shard, minlength=u.size).astype(np.int64))
 
     def efficiency(self, cost: CostModel) -> float:
         """``(useful compute / N) / sum_m max_r load[m, r]``: 1.0 means no rank waits and no overhead is exposed."""
@@ -164,6 +166,50 @@ class Plan:
         """
         if tuple(int(x) for x in lengths) != tuple(self.lengths):
             raise PlanError("the plan was made for different lengths than the batch being checked")
+        if self._valid(max_tokens_per_rank):
+            return
+        self._first_violation(max_tokens_per_rank)
+
+    def _valid(self, capacity: int) -> bool:
+        """Every invariant at once, vectorised over groups (``False``: look for the first violation)."""
+        groups = [g for gs in self.microbatches for g in gs]
+        size = np.fromiter((len(g.ranks) for g in groups), dtype=np.int64, count=len(groups))
+        if size.size == 0 or (size == 0).any():
+            return False
+        mb, start, u, r, seq, gid = self.flat()
+        ranks = np.fromiter((x for g in groups for x in g.ranks), dtype=np.int64, count=int(size.sum()))
+        offset = np.arange(ranks.size) - np.repeat(np.cumsum(size) - size, size)
+        if not np.array_equal(ranks, np.repeat(start, size) + offset):
+            return False  # not contiguous
+        if (
+            (u < 1).any()
+            or (r < 1).any()
+            or (u * r != size).any()
+            or (start % u).any()
+            or (self.ranks_per_node % u).any()
+        ):
+            return False
+        if start.min() < 0 or (start + size).max() > self.world_size:
+            return False
+        order = np.lexsort((start, mb))
+        m_s, s_s, z_s = mb[order], start[order], size[order]
+        first = np.r_[True, m_s[1:] != m_s[:-1]]
+        last = np.r_[m_s[1:] != m_s[:-1], True]
+        prev_end = np.r_[0, s_s[:-1] + z_s[:-1]]
+        if (s_s != np.where(first, 0, prev_end)).any() or (s_s[last] + z_s[last] != self.world_size).any():
+            return False  # ranks not covered exactly once
+        if np.unique(m_s).size != self.num_microbatches:
+            return False
+        n = len(self.lengths)
+        if seq.size and (seq.min() < 0 or seq.max() >= n):
+            return False
+        if not (np.bincount(seq, minlength=n) == 1).all():
+            return False
+        shard = shard_tokens(np.asarray(self.lengths, dtype=np.int64)[seq], size[gid])
+        return bool((np.bincount(gid, weights=shard, minlength=size.size) <= capacity).all())
+
+    def _first_violation(self, max_tokens_per_rank: int) -> None:
+        """Walk the groups in order and raise :class:`PlanError` naming the first violation."""
         seen = np.zeros(len(self.lengths), dtype=np.int64)
         lengths_arr = np.asarray(self.lengths, dtype=np.int64)
         for m, groups in enumerate(self.microbatches):
@@ -192,7 +238,7 @@ class Plan:
                     if ids.min() < 0 or ids.max() >= len(self.lengths):
                         raise PlanError(f"microbatch {m}: group {g.ranks} names a sequence that is not in the batch")
                     np.add.at(seen, ids, 1)
-                    held = int((2 * -(-lengths_arr[ids] // (2 * g.degree))).sum())
+                    held = int(shard_tokens(lengths_arr[ids], np.asarray(g.degree)).sum())
                     if held > max_tokens_per_rank:
                         raise PlanError(
                             f"microbatch {m}: group {g.ranks} holds {held} tokens per rank, "
@@ -210,6 +256,7 @@ class Plan:
         dup = np.flatnonzero(seen > 1)
         if dup.size:
             raise PlanError(f"sequence {int(dup[0])} was duplicated: it is in {int(seen[dup[0]])} groups")
+        raise PlanError("the plan breaks an invariant the group-by-group walk did not name")  # pragma: no cover
 
     def to_dict(self) -> dict:
         """A JSON-able description (what the digest hashes)."""

@@ -62,18 +62,15 @@ class PlanRequest:
 
     def fill_idle(self, groups: list[Group]) -> list[Group]:
         """Add idle groups (no sequences) for ranks not covered, as aligned power-of-two blocks."""
-        covered = np.zeros(self.world_size, dtype=bool)
+        covered = np.zeros(self.world_size + 1, dtype=np.int8)
+        covered[-1] = 1  # a sentinel that ends the last run
         for g in groups:
-            covered[list(g.ranks)] = True
+            covered[g.ranks[0] : g.ranks[-1] + 1] = 1
+        # runs of uncovered ranks: [start, end)
+        edges = np.flatnonzero(np.diff(np.concatenate([[1], covered])))
         out = list(groups)
-        rank = 0
-        while rank < self.world_size:
-            if covered[rank]:
-                rank += 1
-                continue
-            end = rank
-            while end < self.world_size and not covered[end]:
-                end += 1
+        for start, end in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=False):
+            rank = start
             while rank < end:
                 size = 1
                 while rank % (size * 2) == 0 and rank + size * 2 <= end and self.rules.factor(size * 2, rank):

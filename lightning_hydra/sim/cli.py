@@ -12,6 +12,7 @@ import numpy as np
 
 from lightning_hydra.sim.scenario import load_scenario
 from lightning_hydra.sim.simulate import simulate
+from lightning_hydra.sim.truth import ENGINES
 
 __all__ = ["main", "validate"]
 
@@ -70,12 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=None, help="override the job's GPU count (reduced runs)")
     parser.add_argument("--policies", nargs="+", default=None)
     parser.add_argument("--no-calibrate", action="store_true", help="keep the analytic cost model")
+    parser.add_argument("--engine", default=None, choices=sorted(ENGINES), help="CP engine the truth times")
     parser.add_argument("--validate", default=None, help="directory of recorded runs (runs/compare) to compare with")
     parser.add_argument("--full", action="store_true", help="include per-step results in the JSON")
     args = parser.parse_args(argv)
     from lightning_hydra.cli import recipe_path
 
-    overrides: dict[str, Any] = {"steps": args.steps, "job.gpus": args.gpus, "policies": args.policies}
+    overrides: dict[str, Any] = {
+        "steps": args.steps,
+        "job.gpus": args.gpus,
+        "policies": args.policies,
+        "engine": args.engine,
+    }
     if args.no_calibrate:
         overrides["calibrate"] = False
     scenario = load_scenario(recipe_path(args.config), **overrides)

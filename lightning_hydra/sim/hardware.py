@@ -49,6 +49,13 @@ class Hardware:
     """Seconds per sequence per layer (varlen bookkeeping, position handling)."""
     ring_step_overhead: float = 0.0
     """Seconds per ring step per layer of local work besides the kernel (block selection, softmax merge)."""
+    attn_tile_tokens: float = 0.0
+    """Per-rank chunk below which attention runs no faster (a kernel tile floor; 0: none)."""
+    ring_share: float | None = None
+    """Exposed share of every ring transfer whatever attention hides (``None``: exposed is what the step's
+    attention fails to hide)."""
+    a2a_full_heads: bool = False
+    """Ulysses moves k and v at the full hidden size (no GQA saving) rather than at the KV heads."""
     memory_bytes: float = 80e9
     """Device memory."""
     timer_includes_comm: bool = True

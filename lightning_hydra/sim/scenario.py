@@ -10,6 +10,7 @@ import yaml
 
 from lightning_hydra.planner import CostModel
 from lightning_hydra.sim.hardware import PRESETS, Hardware, ModelShape
+from lightning_hydra.sim.truth import ENGINES
 
 __all__ = ["Job", "Scenario", "Workload", "load_scenario"]
 
@@ -89,6 +90,9 @@ class Scenario:
     """Overrides of :meth:`CostModel.for_transformer` for the starting cost model (e.g. a recorded run's)."""
     ranks_per_node: int | None = None
     """Ranks per node of the pool (default: devices per node over ``tp``)."""
+    engine: str = "hydra"
+    """CP engine the truth times: ``"hydra"`` (Ulysses nested in a ring) or ``"te-p2p"`` (Transformer Engine's ring
+    for packed input, Megatron Dynamic-CP's engine: ring only, so plans are made with ``max_ulysses=1``)."""
 
     def starting_cost(self) -> CostModel:
         """The planner's analytic cost model before any calibration."""
@@ -162,6 +166,8 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
         str(path),
     )
     job = scenario.job
+    if scenario.engine not in ENGINES:
+        raise ValueError(f"{path}: unknown engine {scenario.engine!r} (known: {sorted(ENGINES)})")
     if job.gpus % (job.tp * job.pp):
         raise ValueError(f"{path}: {job.gpus} GPUs do not split into tp={job.tp} x pp={job.pp}")
     if scenario.model.num_heads % job.tp or scenario.model.num_kv_heads % job.tp:

@@ -21,11 +21,11 @@ from lightning_hydra.data.corpus import StdlibCorpus
 from lightning_hydra.metrics.bubbles import pipeline_bubble, pipeline_makespan
 from lightning_hydra.metrics.loads import replay_step_time
 from lightning_hydra.planner import CostModel, PlannerConfig
-from lightning_hydra.planner.calibration import CostCalibrator, bin_features, predict, relative_error
+from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.sim.scenario import Scenario
 from lightning_hydra.sim.truth import plan_times
 
-__all__ = ["COST_DRIVEN", "scenario_batches", "simulate", "simulate_policy", "step_result"]
+__all__ = ["COST_DRIVEN", "plan_features", "scenario_batches", "simulate", "simulate_policy", "step_result"]
 
 COST_DRIVEN = frozenset({"hydra"})
 """Policies whose plans depend on the cost model (and therefore on calibration)."""
@@ -87,6 +87,7 @@ def simulate_policy(
         max_tokens_per_rank=job.max_tokens_per_rank,
         num_microbatches=job.num_microbatches,
         ranks_per_node=min(scenario.node_size(), job.pool),
+        max_ulysses=1 if scenario.engine == "te-p2p" else None,
     )
     cost = cost or scenario.starting_cost()
     calibrator = CostCalibrator()
@@ -100,12 +101,13 @@ def simulate_policy(
             lengths, world_size=job.pool, cost=cost, num_heads=heads, num_kv_heads=kv_heads, seed=scenario.seed + k
         )
         schedule_ms = 1e3 * (time.perf_counter() - start)
-        times, leader = plan_times(
-            plan, model=model, hardware=hw, layers=layers, tp=job.tp, head_share=1.0 / job.pp,
-            include_comm=hw.timer_includes_comm,
-        )  # fmt: skip
+        timing = {"model": model, "hardware": hw, "layers": layers, "tp": job.tp, "head_share": 1.0 / job.pp}
+        times, leader = plan_times(plan, **timing, include_comm=hw.timer_includes_comm, engine=scenario.engine)
+        comm = None
+        if not hw.timer_includes_comm:  # a CPU host measures communication apart (wall time in CP collectives)
+            comm = plan_times(plan, **timing, include_comm=True, engine=scenario.engine)[0] - times
         result = step_result(scenario, times, leader, int(np.sum(lengths)))
-        features = _features(plan, cost)
+        features = plan_features(plan, cost)
         predicted = predict(cost, features, includes_comm=hw.timer_includes_comm)
         result["cost_model_error"] = relative_error(predicted, times.ravel())
         result["schedule_ms"] = schedule_ms
@@ -113,20 +115,14 @@ def simulate_policy(
         result["microbatches"] = plan.num_microbatches
         steps.append(result)
         if calibrate:
-            calibrator.add(features, times.ravel(), includes_comm=hw.timer_includes_comm)
+            calibrator.add(
+                features,
+                times.ravel(),
+                includes_comm=hw.timer_includes_comm,
+                comm=None if comm is None else comm.ravel(),
+            )
             cost = calibrator.refit(cost)
     return {"steps": steps, "cost": cost.to_dict(), **summarize(steps)}
-
-
-def _features(plan: Any, cost: CostModel) -> np.ndarray:
-    """Calibration features ``[M * N, F]`` of every rank in every microbatch (row order ``m * N + n``)."""
-    n = plan.world_size
-    out = np.zeros((plan.num_microbatches * n, len(bin_features(cost, [], 1, 1))))
-    for m, groups in enumerate(plan.microbatches):
-        for g in groups:
-            f = bin_features(cost, [plan.lengths[i] for i in g.seq_ids], g.ulysses, g.ring)
-            out[[m * n + r for r in g.ranks]] = f
-    return out
 
 
 def summarize(steps: list[dict[str, Any]], skip: int = 0) -> dict[str, float]:

@@ -7,14 +7,24 @@ attention of the same step of the same layer. For one rank of a group of degree 
 pipeline stage of ``layers`` layers and tensor parallelism ``tp``::
 
     gemm  = 6 * (params_per_layer * layers + head) / tp * T / (peak * gemm_eff(T))            T = sum(L) / d
-    attn  = sum_L 6 * hidden * layers * L**2 / (d * tp) / (peak * attn_eff(L / d))
+    attn  = sum_L 6 * hidden * layers * L**2 / (e * tp) / (peak * attn_eff(L / e))    e = min(d, max(1, L / tile))
     a2a   = [u > 1] (a2a_bytes(T) / intra_bw + 4 * layers * a2a_latency)
-    ring  = [r > 1] layers * (r - 1) * (max(0, step_bytes / bw - attn / (layers * r)) + 2 * p2p_latency
-                                         + ring_step_overhead)
+    ring  = [r > 1] layers * (r - 1) * (exposed + 2 * p2p_latency + ring_step_overhead)
     fixed = layers * (layer_overhead + seq_overhead * len(Ls))
 
+where one ring step of one layer moves ``step = kv_bytes * sum(L) / d`` (k and v forward; k, v and dK, dV
+backward) over the intra-node link when the group fits a node and the inter-node link otherwise, and ``exposed``
+is ``max(0, step / bw - attn / (layers * r))`` (what that step's attention fails to hide) or, with
+``ring_share``, ``ring_share * step / bw`` whatever attention hides. ``a2a_bytes`` counts q, k, v in and the
+output back, forward and backward, with k and v at the KV heads (or the full width with ``a2a_full_heads``).
+
+Engines (:data:`ENGINES`): ``"hydra"`` is this package's Ulysses-in-ring engine (dK/dV travel in float32);
+``"te-p2p"`` is Transformer Engine's ring for packed (THD) input, ``cp_comm_type="p2p"``, the only CP type it
+supports for THD and the one Megatron's Dynamic-CP hands its per-microbatch groups to: a ring over the whole group
+(no Ulysses level, ``u = 1``), dK/dV in the activation dtype (assumed).
+
 A time with ``timer_includes_comm=False`` (a CPU thread timer) leaves out ``a2a`` bandwidth time and exposed ring
-transfers but keeps the local overheads.
+transfers but keeps the local overheads. Everything is vectorised over the groups of a plan.
 """
 
 from __future__ import annotations
@@ -24,7 +34,91 @@ import numpy as np
 from lightning_hydra.planner import Plan
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 
-__all__ = ["bin_time", "plan_times"]
+__all__ = ["ENGINES", "bin_time", "group_times", "plan_times", "useful_time"]
+
+ENGINES = {"hydra": 4, "te-p2p": None}
+"""CP engines the truth times, with the bytes per element of dK/dV on the ring (``None``: the activation dtype)."""
+
+
+def _check_engine(engine: str) -> int | None:
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {sorted(ENGINES)}")
+    return ENGINES[engine]
+
+
+def group_times(
+    lengths: np.ndarray,
+    group: np.ndarray,
+    ulysses: np.ndarray,
+    ring: np.ndarray,
+    *,
+    model: ModelShape,
+    hardware: Hardware,
+    layers: int,
+    tp: int = 1,
+    head_share: float = 0.0,
+    include_comm: bool = True,
+    engine: str = "hydra",
+) -> np.ndarray:
+    """Seconds one member of each group spends on its bin (forward plus backward of ``layers`` layers).
+
+    Args:
+        lengths: Length of every sequence placed.
+        group: Group index (``0 .. G-1``) of every sequence.
+        ulysses: Ulysses degree of every group ``[G]``.
+        ring: Ring degree of every group ``[G]``.
+        model: The model's shape.
+        hardware: The device.
+        layers: Layers of this pipeline stage.
+        tp: Tensor-parallel size (divides GEMM and attention work and activation traffic).
+        head_share: Share of the LM head's parameters this stage holds.
+        include_comm: Include communication bandwidth time and exposed transfers.
+        engine: ``"hydra"`` or ``"te-p2p"`` (see :data:`ENGINES`).
+
+    Returns:
+        ``[G]`` seconds (0 for a group without sequences).
+    """
+    dkv_bytes = _check_engine(engine)
+    hw = hardware
+    u = np.asarray(ulysses, dtype=np.float64)
+    r = np.asarray(ring, dtype=np.float64)
+    if engine == "te-p2p" and (u > 1).any():
+        raise ValueError("the te-p2p engine has no Ulysses level: plan with max_ulysses=1")
+    n = u.size
+    lens = np.asarray(lengths, dtype=np.float64)
+    gid = np.asarray(group, dtype=np.int64)
+    d = u * r
+    count = np.bincount(gid, minlength=n).astype(np.float64)
+    total = np.bincount(gid, weights=lens, minlength=n)
+    tokens = total / d
+    linear_flops = 6.0 * (model.layer_params * layers + head_share * model.hidden_size * model.vocab_size) / tp
+    # gemm_eff(T) = g * T / (T + half): time = flops * (T + half) / (peak * g)
+    gemm = np.where(tokens > 0, linear_flops * (tokens + hw.gemm_half_tokens) / (hw.peak_flops * hw.gemm_efficiency), 0)
+    d_seq = d[gid]
+    eff_deg = np.minimum(d_seq, np.maximum(1.0, lens / hw.attn_tile_tokens)) if hw.attn_tile_tokens > 0 else d_seq
+    chunk = lens / eff_deg
+    attn_flops = 6.0 * model.hidden_size * layers * lens * lens / (eff_deg * tp)
+    attn_seq = attn_flops * (chunk + hw.attn_half_len) / (chunk * hw.peak_flops * hw.attn_efficiency)
+    attn = np.bincount(gid, weights=attn_seq, minlength=n)
+    busy = count > 0
+    total_time = gemm + attn + np.where(busy, layers * (hw.layer_overhead + hw.seq_overhead * count), 0.0)
+    elem = model.bytes_per_element
+    a2a_width = 4 * model.hidden_size if hw.a2a_full_heads else 2 * model.hidden_size + 2 * model.kv_dim
+    a2a_bytes = 2 * a2a_width * elem * layers / tp * tokens  # q, k, v in and the output back; again backward
+    a2a = (a2a_bytes * (u - 1) / u / hw.intra_node_bandwidth if include_comm else 0.0) + 4 * layers * hw.a2a_latency
+    total_time += np.where(busy & (u > 1), a2a, 0.0)
+    kv_bytes = 4 * model.kv_dim * elem + 2 * model.kv_dim * (elem if dkv_bytes is None else dkv_bytes)
+    bw = np.where(d > hw.gpus_per_node, hw.inter_node_bandwidth, hw.intra_node_bandwidth)
+    step = kv_bytes / tp * tokens / bw  # one KV block hop of one layer (forward plus backward)
+    if not include_comm:
+        exposed = np.zeros(n)
+    elif hw.ring_share is not None:
+        exposed = hw.ring_share * step
+    else:
+        exposed = np.maximum(0.0, step - attn / (layers * r))
+    ring_time = layers * (r - 1) * (exposed + 2 * hw.p2p_latency + hw.ring_step_overhead)
+    total_time += np.where(busy & (r > 1), ring_time, 0.0)
+    return total_time
 
 
 def bin_time(
@@ -38,8 +132,9 @@ def bin_time(
     tp: int = 1,
     head_share: float = 0.0,
     include_comm: bool = True,
+    engine: str = "hydra",
 ) -> float:
-    """Seconds one member of a group spends on its bin (forward plus backward of ``layers`` layers).
+    """Seconds one member of a group spends on its bin (:func:`group_times` of one group).
 
     Args:
         lengths: Lengths of the bin's sequences.
@@ -52,34 +147,32 @@ def bin_time(
         head_share: Share of the LM head's parameters this stage holds (1 on the last stage, spread evenly
             ``1 / pp`` in the simulator).
         include_comm: Include communication bandwidth time and exposed transfers.
+        engine: ``"hydra"`` or ``"te-p2p"``.
     """
     lens = np.asarray(lengths, dtype=np.float64)
     if lens.size == 0:
         return 0.0
+    return float(
+        group_times(
+            lens, np.zeros(lens.size, dtype=np.int64), np.asarray([ulysses]), np.asarray([ring]), model=model,
+            hardware=hardware, layers=layers, tp=tp, head_share=head_share, include_comm=include_comm, engine=engine,
+        )[0]
+    )  # fmt: skip
+
+
+def useful_time(
+    lengths: np.ndarray, *, model: ModelShape, hardware: Hardware, layers: int, tp: int = 1, head_share: float = 0.0
+) -> float:
+    """Ideal seconds of the batch's FLOPs on one device: GEMMs and attention at their best efficiencies, no
+    overheads and no communication (the numerator of efficiency under this truth)."""
+    lens = np.asarray(lengths, dtype=np.float64)
     hw = hardware
-    d = ulysses * ring
-    tokens = float(lens.sum()) / d
-    linear_flops = 6.0 * (model.layer_params * layers + head_share * model.hidden_size * model.vocab_size)
-    gemm = linear_flops / tp * tokens / (hw.peak_flops * max(hw.gemm_eff(tokens), 1e-9))
-    chunk = lens / d
-    attn_eff = hw.attn_efficiency * chunk / (chunk + hw.attn_half_len)
-    attn_flops = 6.0 * model.hidden_size * layers * lens * lens / (d * tp)
-    attn = float(np.sum(attn_flops / (hw.peak_flops * attn_eff)))
-    total = gemm + attn + layers * (hw.layer_overhead + hw.seq_overhead * lens.size)
-    elem = model.bytes_per_element
-    if ulysses > 1:
-        # q, k, v in and the output back, forward; the same again backward
-        a2a_bytes = 2 * (2 * model.hidden_size + 2 * model.kv_dim) * elem * layers / tp * tokens
-        share = (ulysses - 1) / ulysses
-        total += (a2a_bytes * share / hw.intra_node_bandwidth if include_comm else 0.0) + 4 * layers * hw.a2a_latency
-    if ring > 1:
-        bw = hw.inter_node_bandwidth if d > hw.gpus_per_node else hw.intra_node_bandwidth
-        # one KV block per step: k, v forward; k, v and dk, dv backward
-        step_bytes = 6 * model.kv_dim * elem / tp * (float(lens.sum()) / ring / ulysses)
-        hidden = attn / (layers * ring)  # the attention one step of one layer can hide a transfer behind
-        exposed = max(0.0, step_bytes / bw - hidden) if include_comm else 0.0
-        total += layers * (ring - 1) * (exposed + 2 * hw.p2p_latency + hw.ring_step_overhead)
-    return float(total)
+    linear_flops = 6.0 * (model.layer_params * layers + head_share * model.hidden_size * model.vocab_size) / tp
+    attn_flops = 6.0 * model.hidden_size * layers / tp
+    return float(
+        linear_flops * lens.sum() / (hw.peak_flops * hw.gemm_efficiency)
+        + attn_flops * (lens * lens).sum() / (hw.peak_flops * hw.attn_efficiency)
+    )
 
 
 def plan_times(
@@ -91,6 +184,7 @@ def plan_times(
     tp: int = 1,
     head_share: float = 0.0,
     include_comm: bool = True,
+    engine: str = "hydra",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Simulated busy time ``[M, N]`` of every rank in every microbatch, and each rank's group leader ``[M, N]``.
 
@@ -101,18 +195,30 @@ def plan_times(
         layers: Layers of one pipeline stage.
         tp: Tensor-parallel size.
         head_share: Share of the LM head per stage.
-        include_comm: Include communication (see :func:`bin_time`).
+        include_comm: Include communication (see :func:`group_times`).
+        engine: ``"hydra"`` or ``"te-p2p"``.
     """
     lengths = np.asarray(plan.lengths, dtype=np.float64)
-    times = np.zeros((plan.num_microbatches, plan.world_size))
-    leader = np.zeros((plan.num_microbatches, plan.world_size), dtype=np.int64)
+    starts, sizes, us, rs, seqs, gids = [], [], [], [], [], []
+    mb_of = []
     for m, groups in enumerate(plan.microbatches):
         for g in groups:
-            ranks = list(g.ranks)
-            leader[m, ranks] = g.ranks[0]
-            if g.seq_ids:
-                times[m, ranks] = bin_time(
-                    lengths[list(g.seq_ids)], g.ulysses, g.ring, model=model, hardware=hardware, layers=layers,
-                    tp=tp, head_share=head_share, include_comm=include_comm,
-                )  # fmt: skip
+            gid = len(us)
+            starts.append(g.ranks[0])
+            sizes.append(g.degree)
+            us.append(g.ulysses)
+            rs.append(g.ring)
+            mb_of.append(m)
+            seqs.extend(g.seq_ids)
+            gids.extend([gid] * len(g.seq_ids))
+    seq = np.asarray(seqs, dtype=np.int64)
+    per_group = group_times(
+        lengths[seq], np.asarray(gids, dtype=np.int64), np.asarray(us), np.asarray(rs), model=model,
+        hardware=hardware, layers=layers, tp=tp, head_share=head_share, include_comm=include_comm, engine=engine,
+    )  # fmt: skip
+    times = np.zeros((plan.num_microbatches, plan.world_size))
+    leader = np.zeros((plan.num_microbatches, plan.world_size), dtype=np.int64)
+    for k, (m, start, size) in enumerate(zip(mb_of, starts, sizes, strict=True)):
+        times[m, start : start + size] = per_group[k]
+        leader[m, start : start + size] = start
     return times, leader

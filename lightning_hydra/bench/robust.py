@@ -1,0 +1,223 @@
+"""Robustness benchmark: hydra, mcore and static under a family of cost truths, before and after calibration.
+
+Prints one JSON object per cell (pool, context, distribution, truth) and a summary::
+
+    python -m lightning_hydra.bench.robust                  # pools of 64 and 512 ranks
+    python -m lightning_hydra.bench.robust --full           # adds 2,048 ranks (mcore takes minutes per batch there)
+    python -m lightning_hydra.bench.robust --markdown t.md  # also writes the README's tables
+
+Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
+(:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
+sum over microbatches of the slowest rank's time, communication counted as waste) of
+
+- ``mcore`` and ``static`` (their plans do not depend on the cost model);
+- ``hydra`` planning with the analytic Llama-3-8B model (``uncalibrated``);
+- ``hydra`` after a closed loop of ``--steps`` global batches on fresh batches: each planned with the current model,
+  timed by the truth (the timer includes communication, as CUDA events do) and fed to
+  :class:`~lightning_hydra.planner.calibration.CostCalibrator` exactly as training does (``calibrated``).
+
+Besides: ``hydra_over_mcore`` of both, what the calibrated model predicts for hydra's and mcore's plans, and the
+calibrated model's relative error on the evaluation batches under the truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from lightning_hydra.bench.batches import DISTRIBUTIONS, make_batch
+from lightning_hydra.bench.schedule import CONTEXTS, llama8b_cost
+from lightning_hydra.planner import CostModel, Plan, schedule
+from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
+from lightning_hydra.sim.family import TRUTHS, truth
+from lightning_hydra.sim.hardware import Hardware, ModelShape
+from lightning_hydra.sim.truth import plan_times, useful_time
+
+__all__ = ["LLAMA_8B", "efficiency", "main", "run_pool"]
+
+LLAMA_8B = ModelShape(
+    hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256
+)
+"""The model every cell plans and times (Llama-3-8B shape, bf16)."""
+
+
+def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> tuple[float, np.ndarray]:
+    """Efficiency of ``plan`` under the truth ``hardware``, and its ``[M, N]`` times."""
+    times, _ = plan_times(plan, model=model, hardware=hardware, layers=model.num_layers, head_share=1.0)
+    useful = useful_time(
+        np.asarray(plan.lengths), model=model, hardware=hardware, layers=model.num_layers, head_share=1.0
+    )
+    span = float(times.max(axis=1).sum())
+    return useful / plan.world_size / span, times
+
+
+def _plan(lengths: np.ndarray, policy: str, cost: CostModel, world: int, context: str) -> tuple[Plan, float]:
+    longest, capacity = CONTEXTS[context]
+    start = time.perf_counter()
+    plan = schedule(
+        lengths, world_size=world, num_microbatches=8, max_tokens_per_rank=capacity, cost=cost, policy=policy,
+        ranks_per_node=8, num_heads=32, num_kv_heads=8, max_seq_len=longest,
+    )  # fmt: skip
+    return plan, 1e3 * (time.perf_counter() - start)
+
+
+def _batches(dist: str, world: int, context: str, seeds: range) -> list[np.ndarray]:
+    longest, capacity = CONTEXTS[context]
+    return [
+        make_batch(dist, world_size=world, capacity=capacity, num_microbatches=8, fill=0.75, context=longest, seed=s)
+        for s in seeds
+    ]
+
+
+def _closed_loop(batches: list[np.ndarray], hw: Hardware, world: int, context: str) -> CostModel:
+    """The analytic model refitted over ``batches``: hydra plans each, the truth times it, calibration refits."""
+    cost = llama8b_cost()
+    calibrator = CostCalibrator()
+    for lengths in batches:
+        plan, _ = _plan(lengths, "hydra", cost, world, context)
+        _, times = efficiency(plan, hw)
+        calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
+        cost = calibrator.refit(cost)
+    return cost
+
+
+def run_pool(
+    world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int
+) -> list[dict[str, Any]]:
+    """Every truth's cell for one pool, context and distribution (baselines planned once)."""
+    held_out = _batches(dist, world, context, range(1000, 1000 + evaluations))
+    loop = _batches(dist, world, context, range(2000, 2000 + steps))
+    analytic = llama8b_cost()
+    fixed = {p: [_plan(b, p, analytic, world, context) for b in held_out] for p in ("mcore", "static", "hydra")}
+    cells = []
+    for name in truths:
+        hw = truth(name, LLAMA_8B.num_layers)
+        cell: dict[str, Any] = {"world_size": world, "context": context, "distribution": dist, "truth": name}
+        eff = {p: statistics.fmean(efficiency(plan, hw)[0] for plan, _ in runs) for p, runs in fixed.items()}
+        cell["uncalibrated"] = {
+            **{p: round(v, 4) for p, v in eff.items()},
+            "hydra_over_mcore": round(eff["hydra"] / eff["mcore"], 4),
+        }
+        cost = _closed_loop(loop, hw, world, context)
+        cal, own_h, own_m, errors, picks = [], [], [], [], []
+        for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
+            plan, _ = _plan(lengths, "hydra", cost, world, context)
+            e, times = efficiency(plan, hw)
+            cal.append(e)
+            own_h.append(plan.efficiency(cost))
+            own_m.append(mplan.efficiency(cost))
+            errors.append(relative_error(predict(cost, plan_features(plan, cost), includes_comm=True), times.ravel()))
+            picks.append(str(plan.stats.get("candidate", "")))
+        hydra = statistics.fmean(cal)
+        cell["calibrated"] = {
+            "hydra": round(hydra, 4),
+            "mcore": round(eff["mcore"], 4),
+            "static": round(eff["static"], 4),
+            "hydra_over_mcore": round(hydra / eff["mcore"], 4),
+            "hydra_own_model": round(statistics.fmean(own_h), 4),
+            "mcore_own_model": round(statistics.fmean(own_m), 4),
+            "model_error": round(statistics.fmean(errors), 4),
+            "candidates": picks,
+        }
+        cell["schedule_ms"] = {p: round(statistics.median(ms for _, ms in runs), 1) for p, runs in fixed.items()}
+        cells.append(cell)
+        print(json.dumps(cell), flush=True)
+    return cells
+
+
+def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Worst cells per context (after calibration and before), and where hydra falls below mcore."""
+    out: dict[str, Any] = {}
+    for context in sorted({c["context"] for c in cells}):
+        mine = [c for c in cells if c["context"] == context]
+        worst = min(mine, key=lambda c: c["calibrated"]["hydra_over_mcore"])
+        worst_uncal = min(mine, key=lambda c: c["uncalibrated"]["hydra_over_mcore"])
+        low = min(mine, key=lambda c: c["calibrated"]["hydra"])
+        out[context] = {
+            "worst_calibrated_hydra_over_mcore": worst["calibrated"]["hydra_over_mcore"],
+            "worst_calibrated_cell": {k: worst[k] for k in ("world_size", "distribution", "truth")},
+            "worst_uncalibrated_hydra_over_mcore": worst_uncal["uncalibrated"]["hydra_over_mcore"],
+            "worst_uncalibrated_cell": {k: worst_uncal[k] for k in ("world_size", "distribution", "truth")},
+            "lowest_calibrated_hydra_efficiency": low["calibrated"]["hydra"],
+            "lowest_efficiency_cell": {k: low[k] for k in ("world_size", "distribution", "truth")},
+            "mean_calibrated_hydra_over_mcore": round(
+                statistics.fmean(c["calibrated"]["hydra_over_mcore"] for c in mine), 4
+            ),
+            "cells_below_mcore": sum(c["calibrated"]["hydra_over_mcore"] < 1 for c in mine),
+            "cells": len(mine),
+        }
+    return out
+
+
+def markdown(cells: list[dict[str, Any]]) -> str:
+    """The README's tables: per (pool, context, distribution) the worst and mean hydra/mcore over the truths, before
+    and after calibration; and per truth the worst over pools and distributions."""
+    lines = [
+        "| pool | context | distribution | worst truth (calibrated) | hydra / mcore worst, calibrated | mean | "
+        "uncalibrated worst | hydra eff. min, calibrated | mcore eff. min |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(c["world_size"], c["context"], c["distribution"]) for c in cells}, key=lambda k: (k[0], k[1], k[2]))
+    for key in keys:
+        mine = [c for c in cells if (c["world_size"], c["context"], c["distribution"]) == key]
+        worst = min(mine, key=lambda c: c["calibrated"]["hydra_over_mcore"])
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {worst['truth']} | {worst['calibrated']['hydra_over_mcore']:.3f} | "
+            f"{statistics.fmean(c['calibrated']['hydra_over_mcore'] for c in mine):.3f} | "
+            f"{min(c['uncalibrated']['hydra_over_mcore'] for c in mine):.3f} | "
+            f"{min(c['calibrated']['hydra'] for c in mine):.3f} | {min(c['calibrated']['mcore'] for c in mine):.3f} |"
+        )
+    lines += [
+        "",
+        "| truth | "
+        + " | ".join(f"{ctx} worst hydra / mcore (cal.)" for ctx in sorted({c["context"] for c in cells}))
+        + " |",
+    ]
+    contexts = sorted({c["context"] for c in cells})
+    lines.append("|---|" + "---|" * len(contexts))
+    for name in [t for t in TRUTHS if any(c["truth"] == t for c in cells)]:
+        row = [
+            min(c["calibrated"]["hydra_over_mcore"] for c in cells if c["truth"] == name and c["context"] == ctx)
+            for ctx in contexts
+        ]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+    return "\n".join(lines) + "\n"  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="include 2,048-rank pools")
+    parser.add_argument("--world-sizes", type=int, nargs="*", help="override the pool sizes")
+    parser.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
+    parser.add_argument("--distributions", nargs="*", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
+    parser.add_argument("--truths", nargs="*", default=list(TRUTHS), choices=list(TRUTHS))
+    parser.add_argument("--steps", type=int, default=8, help="closed-loop steps before the calibrated evaluation")
+    parser.add_argument("--evaluations", type=int, default=2, help="held-out batches per cell (1 at 2,048 ranks)")
+    parser.add_argument("--markdown", default=None, help="write the README tables to this file")
+    args = parser.parse_args(argv)
+    sizes = args.world_sizes or ([64, 512, 2048] if args.full else [64, 512])
+    cells = []
+    start = time.perf_counter()
+    for world in sizes:
+        for context in args.contexts:
+            for dist in args.distributions:
+                evaluations = 1 if world >= 2048 else args.evaluations
+                cells += run_pool(world, context, dist, args.truths, steps=args.steps, evaluations=evaluations)
+    summary = {"summary": summarize(cells), "seconds": round(time.perf_counter() - start, 1), "load": os.getloadavg()}
+    print(json.dumps(summary), flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
