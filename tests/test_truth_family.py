@@ -8,7 +8,7 @@ import pytest
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.planner import CostModel, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, bin_features, plan_features, predict, relative_error
-from lightning_hydra.planner.robust import Scored, choose
+from lightning_hydra.planner.robust import Scored, choose, span_of
 from lightning_hydra.sim import Hardware, ModelShape, bin_time
 from lightning_hydra.sim.family import TRUTHS, truth
 from lightning_hydra.sim.truth import plan_times
@@ -135,3 +135,27 @@ def test_choice_is_the_smallest_worst_regret_never_worse_than_a_baseline():
     # the baseline bounds the planner's own prediction: "too-slow" is never chosen even when the rest is worse
     pick, _ = choose([scored[2], Scored("baseline", np.array([1.10, 1.90, 1.90]), True)])
     assert pick == 1
+
+
+def test_pipeline_plans_are_scored_by_their_1f1b_step_time():
+    cost = CostModel.for_transformer(256, 4, 8, flops_per_second=1e12)
+    lengths = np.array([60, 60, 60, 60])
+    gid = np.arange(4)
+    ones = np.ones(4, dtype=np.int64)
+    loads = cost.group_loads(lengths, gid, ones, ones)
+    # one microbatch holding everything vs four of one sequence: equal sums, different pipeline step times
+    packed = span_of(cost, lengths, np.zeros(4, dtype=np.int64), ones, ones, np.arange(4), gid, 1, 4)
+    spread = span_of(cost, lengths, np.arange(4), ones, ones, np.arange(4), gid, 4, 4)
+    assert packed == pytest.approx(loads.max() * 4)  # (M + P - 1) t with M = 1
+    assert spread == pytest.approx(loads[0] * 7)  # (M + P - 1) t with M = 4 equal microbatches
+    assert span_of(cost, lengths, np.arange(4), ones, ones, np.arange(4), gid, 4) == pytest.approx(loads.sum())
+    batch = make_batch("stdlib", world_size=16, capacity=4096, num_microbatches=8, fill=0.75, context=8192, seed=1)
+    for stages in (1, 4):
+        plan = schedule(
+            batch, world_size=16, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, pipeline_stages=stages
+        )
+        chosen = plan.stats[f"span/{plan.stats['candidate']}"]
+        baselines = [v for k, v in plan.stats.items() if k in ("span/static", "span/mcore", "span/pow2/memory")]
+        assert baselines and chosen <= min(baselines) * (1 + 1e-12)  # never predicted worse, pipeline included
+    with pytest.raises(ValueError, match="pipeline_stages must be at least 1"):
+        schedule(batch, world_size=16, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, pipeline_stages=0)

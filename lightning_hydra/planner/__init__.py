@@ -52,6 +52,7 @@ def schedule(
     max_ulysses: int | None = None,
     max_ring: int | None = None,
     max_seq_len: int | None = None,
+    pipeline_stages: int = 1,
 ) -> Plan:
     """Plan one global batch: every sequence's CP degree, group and microbatch.
 
@@ -69,6 +70,8 @@ def schedule(
         max_ulysses: Cap on the Ulysses degree.
         max_ring: Cap on the ring degree.
         max_seq_len: Longest sequence the run allows (sizes the ``static`` degree); default the batch's longest.
+        pipeline_stages: Stages the microbatches flow through (1F1B); ``hydra`` then scores plans by the pipeline's
+            step time, not the sum of microbatch maxima alone.
 
     Returns:
         The plan; it has passed :meth:`Plan.check`.
@@ -93,6 +96,8 @@ def schedule(
         raise ValueError("world_size, ranks_per_node and max_tokens_per_rank must be positive")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    if pipeline_stages < 1:
+        raise ValueError(f"pipeline_stages must be at least 1, got {pipeline_stages}")
     if world_size < ranks_per_node:
         if ranks_per_node % world_size:
             raise ValueError(
@@ -137,6 +142,7 @@ def schedule(
         rules=rules,
         seed=seed,
         max_seq_len=max_seq_len,
+        pipeline_stages=pipeline_stages,
     )
     plan = POLICIES[policy](req)
     plan.check(arr.tolist(), max_tokens_per_rank)

@@ -33,6 +33,10 @@ class PlannerConfig:
     """Longest sequence the run allows (sizes the ``static`` degree); ``None``: each batch's longest."""
     cost: CostModel | None = None
     """Cost model of the loads (``None``: an analytic default from the model shape)."""
+    pipeline_stages: int = 1
+    """Pipeline stages the plan's microbatches flow through: with more than one, ``hydra`` scores a plan by its
+    1F1B step time (the sum of microbatch maxima plus ``P - 1`` times the largest), so it favours equal microbatch
+    maxima and at least as many microbatches as asked."""
 
     def schedule(
         self,
@@ -61,4 +65,5 @@ class PlannerConfig:
             max_ulysses=self.max_ulysses,
             max_ring=self.max_ring,
             max_seq_len=self.max_seq_len,
+            pipeline_stages=self.pipeline_stages,
         )

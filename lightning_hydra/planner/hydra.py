@@ -64,7 +64,11 @@ def schedule_hydra(req: PlanRequest) -> Plan:
         k = f.group_class
         flat = (f.group_mb, f.degrees.ulysses[k], f.degrees.ring[k], f.seq, f.gid, f.num_microbatches)
         scored.append(
-            Scored(f.name, np.array([span_of(c, lengths, *flat) for c in models]), not f.name.endswith("/load"))
+            Scored(
+                f.name,
+                np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models]),
+                not f.name.endswith("/load"),
+            )
         )
     plans = {"static": static}
     if lengths.size * math.sqrt(req.world_size) <= MCORE_BUDGET:
@@ -72,7 +76,7 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     for name, plan in plans.items():
         mb, _, u, r, seq, gid = plan.flat()
         flat = (mb, u, r, seq, gid, plan.num_microbatches)
-        scored.append(Scored(name, np.array([span_of(c, lengths, *flat) for c in models]), True))
+        scored.append(Scored(name, np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models]), True))
     pick, regret = choose(scored)
     stats: dict[str, float | str] = {"candidate": scored[pick].name}
     for s in scored:

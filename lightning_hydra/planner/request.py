@@ -31,6 +31,8 @@ class PlanRequest:
     """Seed for any tie-breaking randomness (policies here are deterministic without it)."""
     max_seq_len: int | None = None
     """Longest sequence the run allows (sizes the static degree); ``None`` means the batch's longest."""
+    pipeline_stages: int = 1
+    """Pipeline stages the microbatches flow through (1: data-parallel accumulation)."""
 
     @property
     def world_size(self) -> int:

@@ -40,13 +40,15 @@ def ensemble(cost: CostModel) -> list[CostModel]:
 
 def span_of(
     cost: CostModel, lengths: np.ndarray, mb: np.ndarray, ulysses: np.ndarray, ring: np.ndarray, seq: np.ndarray,
-    gid: np.ndarray, num_microbatches: int,
+    gid: np.ndarray, num_microbatches: int, pipeline_stages: int = 1,
 ) -> float:  # fmt: skip
-    """Sum over microbatches of the largest group load, from flat arrays (see :meth:`Plan.flat`)."""
+    """Predicted step time from flat arrays (see :meth:`Plan.flat`): the sum over microbatches of the largest group
+    load, plus, through ``P`` pipeline stages under 1F1B, ``P - 1`` times the largest microbatch (the warm-up and
+    cool-down a step cannot hide; equal microbatches of time ``t`` take ``(M + P - 1) t``)."""
     loads = cost.group_loads(lengths[seq], gid, ulysses, ring)
     per_mb = np.zeros(max(num_microbatches, int(mb.max()) + 1 if mb.size else 1))
     np.maximum.at(per_mb, mb, loads)
-    return float(per_mb.sum())
+    return float(per_mb.sum() + (pipeline_stages - 1) * per_mb.max())
 
 
 @dataclass

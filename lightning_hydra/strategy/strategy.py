@@ -200,6 +200,7 @@ class HydraStrategy(ParallelStrategy):
             max_ulysses=None if ulysses_degree == "auto" else int(ulysses_degree),
             max_ring=max_ring,
             cost=cost,
+            pipeline_stages=self.pipeline_stages,
         )
         self.cp = CPContext(kernel)
         self.calibrate = calibrate
