@@ -284,7 +284,11 @@ class HydraRuntime(ABC):
         )
         if self.calibrate:
             features = record.features.reshape(-1, NUM_FEATURES)
-            self.calibrator.add(features, record.busy.ravel(), includes_comm=record.includes_comm)
+            # CPU thread time excludes communication, measured apart (CommClock's wall time in CP collectives):
+            # both are fitted. On CUDA the clock sees only the host's launch time, so communication stays inside
+            # the event-timed busy time.
+            comm = None if record.includes_comm else record.comm.ravel()
+            self.calibrator.add(features, record.busy.ravel(), includes_comm=record.includes_comm, comm=comm)
             refit = self.calibrator.refit(self.cost_model)
             if refit is not self.cost_model:
                 self.cost_model = self._share_cost(refit)
