@@ -204,6 +204,10 @@ def test_a_rank_killed_mid_run_ends_every_rank_with_an_error(tmp_path: Path) -> 
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
     )
+    # the run ended (no rank hung waiting for the dead one: the timeout above would raise) with an error: each
+    # surviving rank either raised from its broken link or was ended by the launcher once the dead rank was seen,
+    # whichever came first
     assert done.returncode != 0
-    for rank in (0, 1, 3):  # every surviving rank raised (no rank hung waiting for the dead one)
-        assert f"[rank{rank}]: RuntimeError" in done.stderr, done.stderr[-3000:]
+    ended = "Forcefully terminating all other processes" in done.stderr
+    raised = all(f"[rank{rank}]: RuntimeError" in done.stderr for rank in (0, 1, 3))
+    assert ended or raised, done.stderr[-3000:]
