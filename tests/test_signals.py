@@ -89,3 +89,30 @@ def test_sigterm_stops_every_rank_within_30_s_and_saves_a_checkpoint(tmp_path):
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     assert state["global_step"] >= 2  # the steps done, the data position and the calibrated model: resumable
     assert state["HydraDataModule"]["step"] == state["global_step"] and "cost_model" in state["hydra"]
+
+
+def test_sigterm_is_noticed_while_the_main_thread_cannot_run_python(monkeypatch):
+    """A rank blocked inside a collective never returns to the interpreter, so a Python signal handler would not
+    run; the guard's listener hears the interpreter's wake-up descriptor instead, and starts the watchdog."""
+    from types import SimpleNamespace
+
+    from lightning_hydra.strategy.guard import RunGuard
+
+    guard = RunGuard(grace_seconds=1)
+    started = []
+    monkeypatch.setattr(guard, "_watchdog", lambda: started.append(True))  # never exit the test process
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        guard._install(SimpleNamespace(strategy=SimpleNamespace(launcher=None)))
+        if guard._wakeup is None:
+            pytest.skip("another owner holds the interpreter's wake-up descriptor")
+        signal.signal(signal.SIGTERM, lambda *args: None)  # the Python-level handler never reaches the guard
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.requested.wait(5)
+        deadline = time.monotonic() + 5
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started == [True]
+    finally:
+        guard._uninstall()
+        signal.signal(signal.SIGTERM, previous)

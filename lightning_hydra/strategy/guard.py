@@ -8,7 +8,9 @@ handler only records the signal (and forwards it to the ranks this process launc
 ``all_reduce(MAX)`` of the flag; if any rank was signalled, all of them save a checkpoint (when a
 ``ModelCheckpoint`` is configured: ``<its dirpath>/last.ckpt``, which ``--ckpt_path last`` resumes) and stop with
 exit status 143 (128 + SIGTERM) on each node's first process, 0 on the others. A watchdog ends the process after
-``grace_seconds`` if no step boundary comes (a rank stuck in a collective with a vanished peer): never a hang.
+``grace_seconds`` if no step boundary comes: never a hang. Python runs a signal handler only when the main thread
+returns to the interpreter, which a rank blocked inside a collective never does; the watchdog is therefore woken
+through :func:`signal.set_wakeup_fd`, which the interpreter's C-level handler writes at once, from any state.
 
 **A run that fails before it starts** (bad data found at set-up, an error in ``configure_model``) leaves no empty
 ``version_N`` directory: global rank 0 removes the log directory it had just created, if it holds nothing but what
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -91,27 +94,77 @@ class RunGuard(Callback):
                 30 s by default).
         """
         self.grace_seconds = check_number("grace_seconds", grace_seconds, low=0.0, low_open=True)
-        self.requested = threading.Event()
-        """Set when this process received SIGTERM."""
         self.checkpoint_path: Path | None = None
         """The checkpoint written when the run stopped on SIGTERM."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.requested = threading.Event()
+        """Set when this process (or, after the step boundary, any rank) received SIGTERM."""
         self._trainer: pl.Trainer | None = None
         self._started = False
         self._saving = threading.Event()
         self._done = threading.Event()
+        self._first = threading.Lock()
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (spawned ranks): the settings only; each process has its own events and signal state."""
+        return {"grace_seconds": self.grace_seconds, "checkpoint_path": self.checkpoint_path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
 
     # ------------------------------------------------------------------ the signal
     def _install(self, trainer: pl.Trainer) -> None:
-        """Replace Lightning's SIGTERM handler (registered just before the run stage; restored at teardown)."""
+        """Replace Lightning's SIGTERM handler (registered just before the run stage; restored at teardown) and
+        listen to the interpreter's wake-up descriptor (only if nothing else does)."""
         self._started = True
         self._trainer = trainer
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self._wakeup is None:
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            if signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) != -1:
+                signal.set_wakeup_fd(-1)  # another owner (an event loop): leave it, rely on the handler alone
+                reader.close()
+                writer.close()
+                return
+            self._wakeup = (reader, writer)
+            threading.Thread(target=self._listen, args=(reader,), name="hydra-sigterm-listener", daemon=True).start()
+
+    def _uninstall(self) -> None:
+        if self._wakeup is not None and threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+            for sock in self._wakeup:
+                sock.close()
+            self._wakeup = None
+
+    def _listen(self, reader: socket.socket) -> None:
+        """Thread: the signal numbers the interpreter's C-level handler writes (even while the main thread is
+        blocked in a collective)."""
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self._requested(signal.SIGTERM)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested.is_set():
-            return
-        self.requested.set()
+        self._requested(signum)
+
+    def _requested(self, signum: int) -> None:
+        """The first notice of SIGTERM (handler or listener): flag it, forward it, start the watchdog."""
+        with self._first:
+            if self.requested.is_set():
+                return
+            self.requested.set()
         trainer = self._trainer
         launcher = trainer.strategy.launcher if trainer is not None else None
         if isinstance(launcher, _SubprocessScriptLauncher):
@@ -187,8 +240,13 @@ class RunGuard(Callback):
             self._agree_and_stop(trainer)
 
     @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._done.set()
+        self._uninstall()
         if self._started or isinstance(exception, SIGTERMException) or not trainer.is_global_zero:
             return
         for path in remove_setup_only_dirs(trainer):
