@@ -163,8 +163,9 @@ def _compare(argv: list[str]) -> int:
             f"lightning-hydra compare: run {k}/{len(args.policies)}, policy {policy}: {' '.join(cmd[2:])}", flush=True
         )
         done = subprocess.run(cmd, check=False)
-        if done.returncode:
-            raise RuntimeError(f"the {policy} run failed (exit status {done.returncode}); its error is above")
+        if done.returncode:  # the run printed its own error
+            print(f"lightning-hydra compare: the {policy} run failed (exit status {done.returncode})", file=sys.stderr)
+            return done.returncode
     from lightning_hydra.report import SUMMARY_LEGEND, render_report, summary_table
 
     latest = [max((out / p).glob("version_*"), key=lambda d: int(d.name.split("_")[1])) for p in args.policies]
@@ -424,14 +425,12 @@ _SECONDARY = re.compile(
 
 
 def _is_secondary(exc: BaseException) -> bool:
-    """Whether ``exc`` is a rank noticing that another rank went away (not a problem of its own)."""
-    import torch.distributed as dist
-
-    dist_error = getattr(dist, "DistError", None)
+    """Whether ``exc`` is a rank noticing that another rank went away (not a problem of its own: a rank that
+    cannot open its own socket, for example, is not)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if (dist_error is not None and isinstance(exc, dist_error)) or _SECONDARY.search(str(exc)):
+        if _SECONDARY.search(str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

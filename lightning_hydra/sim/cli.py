@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=_positive(10_000), default=None, help="override the number of global batches (1..10000)"
     )
     parser.add_argument(
-        "--gpus", type=_positive(1 << 20), default=None, help="override the job's GPU count (reduced runs)"
+        "--gpus", type=_positive(16384), default=None, help="override the job's GPU count (reduced runs; 1..16384)"
     )
     parser.add_argument("--policies", nargs="+", default=None, choices=["static", "mcore", "hydra"])
     parser.add_argument("--no-calibrate", action="store_true", help="keep the analytic cost model")
