@@ -11,6 +11,8 @@ from lightning_hydra.data.datamodule import _Source
 from lightning_hydra.strategy import check_digests, check_pool
 from lightning_hydra.testing import run_world
 
+pytestmark = pytest.mark.usefixtures("isolated_process")  # in-process launches leave no trace
+
 
 @pytest.mark.parametrize(("world", "per_node"), [(6, 4), (3, 2), (3, 8)])
 def test_world_size_must_match_ranks_per_node(world: int, per_node: int) -> None:

@@ -210,6 +210,7 @@ def test_plan_prints_its_settings_a_legend_and_progress(capsys):
     assert "legend:" in out and "efficiency  (useful compute / ranks)" in out
     assert not re.search(r"\bu=\d|\br=\d|'\d+':", out)  # no u=2 r=7, no string-keyed degree dicts
     assert "sequences per CP degree: d=1: " in out
+    assert_readable(out + err)
 
 
 def test_plan_help_shows_defaults(capsys):

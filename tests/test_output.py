@@ -24,6 +24,8 @@ from lightning_hydra.report import load_run, render_report
 
 ROOT = RECIPES.parent
 
+pytestmark = pytest.mark.usefixtures("isolated_process")  # in-process launches leave no trace
+
 
 class OutOfVocabulary(torch.utils.data.Dataset):
     """40 byte sequences; every fifth holds token 300, outside the demo decoder's 258-token vocabulary. No
