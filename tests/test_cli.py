@@ -101,7 +101,7 @@ def test_compare_runs_each_policy_and_renders_one_dashboard(tmp_path, capfd):
     assert_readable(captured.out + captured.err)
     assert "run 1/2, policy static" in printed and "run 2/2, policy hydra" in printed  # progress
     assert "PP bubble minimum: the same bubble if every microbatch took equally long" in printed  # the legend
-    assert re.search(r"^static \(version_0\) +\| +1 \|", printed, re.M) and "hydra (version_0)" in printed
+    assert re.search(r"^static +\| +1 \|", printed, re.M) and re.search(r"^hydra +\| +1 \|", printed, re.M)
     page = out / "dashboard" / "index.html"
     assert page.exists()
     html = page.read_text()
