@@ -382,7 +382,8 @@ class HydraDataModule(pl.LightningDataModule):
             return batch
         error = batch.future.exception()  # waits for the plan
         runtime = self._runtime()
-        if runtime.world_size > 1:
+        layout = getattr(runtime, "layout", None)  # with pipeline stages every stage plans the batch: the world agrees
+        if (layout.world_size if layout is not None else runtime.world_size) > 1:
             flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=runtime.device)
             if float(runtime.all_sum(flag).item()) > 0:
                 mine = None if error is None else (str(error) if isinstance(error, ValueError) else repr(error))

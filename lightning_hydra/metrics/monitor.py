@@ -163,7 +163,7 @@ class BubbleMonitor(Callback):
         start = time.perf_counter()
         metrics = step_metrics(record, pipeline_stages=self.pipeline_stages, replay=self._replay(trainer))
         working = int((record.busy.max(axis=1) > 0).sum())
-        if working:  # the floor of bubble/pp: every microbatch equally long
+        if working and "bubble/pp_min" not in metrics:  # the projection's floor: every microbatch equally long
             metrics["bubble/pp_min"] = min_pipeline_bubble(working, self.pipeline_stages)
         strategy = trainer.strategy
         measure = getattr(strategy, "measure_seconds", 0.0) + self.overhead_seconds
@@ -220,12 +220,13 @@ class BubbleMonitor(Callback):
         )
         resumed = f" (resumed at step {self._resume_step})" if self._resume_step else ""
         floor = median("bubble/pp_min")
-        stages = self.pipeline_stages
+        staged = median("plan/pipeline_stages")  # a pipelined run measures its own depth
+        stages = int(staged) if np.isfinite(staged) else self.pipeline_stages
         micro = round((stages - 1) / floor - (stages - 1)) if floor > 0 else None  # floor = (P-1)/(M+P-1)
         floor_text = f" (minimum {floor:.3f} with {micro} microbatch{'es' * (micro > 1)})" if micro else ""
         return (
             f"lightning-hydra: {len(self.history)} steps{resumed}, {tokens:,.0f} tokens trained; median "
-            f"bubble/dp {median('bubble/dp'):.3f}, bubble/pp (P={self.pipeline_stages}) {median('bubble/pp'):.3f}"
+            f"bubble/dp {median('bubble/dp'):.3f}, bubble/pp (P={stages}) {median('bubble/pp'):.3f}"
             f"{floor_text}, balance {median('balance/max_over_mean'):.3f}; {self.throughput():,.0f} tokens/s"
             f"{where}"
         )

@@ -70,8 +70,7 @@ def check_digests(
     """
     mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
     gathered = torch.zeros(world_size, dtype=torch.int64, device=device)
-    # torch 2.13 renamed all_gather_into_tensor (deprecated, warns on every rank) to all_gather_single
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.12
     gather(gathered, mine, group=group)
     values = gathered.tolist()
     odd = [r for r, v in enumerate(values) if v != values[0]]

@@ -2,10 +2,11 @@
 
 Lightning's launchers start the ranks inside ``trainer.fit``; the strategy, the model and the data module already
 exist in the launching process then. :func:`preflight` checks there what needs no process group: the pool's shape
-against the node size, the attention heads against the Ulysses cap, ``pad_id`` against the model's vocabulary, and,
-for data whose lengths are known without reading it (given lengths, ``dataset.lengths()``, the embedded corpus),
-``max_seq_len``, the longest sequence and the global batch against the pool. A bad setting is then one error in
-one process, before any rank has started or any log directory is created.
+(each pipeline stage's pool) against the node size, the attention heads against the Ulysses cap, ``pad_id``
+against the model's vocabulary, and, for data whose lengths are known without reading it (given lengths,
+``dataset.lengths()``, the embedded corpus), ``max_seq_len``, the longest sequence and the global batch against the
+pool (unless ``max_tokens_per_rank="auto"``, resolved at set-up). A bad setting is then one error in one process,
+before any rank has started or any log directory is created.
 
 The launchers below are Lightning's own, running :func:`preflight` first. Where processes are created outside
 (``torchrun``, SLURM), every rank runs the same checks on the same input and raises the same
@@ -24,7 +25,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
+from lightning_hydra.errors import ConfigError
 from lightning_hydra.strategy.checks import check_fits, check_heads, check_pool
+from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
 
 if TYPE_CHECKING:
@@ -53,7 +56,11 @@ def preflight(
     """
     config = strategy.planner_config
     world = max(1, strategy.num_nodes) * max(1, strategy.num_processes)
-    check_pool(world, config.ranks_per_node)
+    try:  # with pipeline stages, each stage's pool plans the batch
+        pool = PipelineLayout.of_world(world, getattr(strategy, "pipeline_stages", 1)).pool
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    check_pool(pool, config.ranks_per_node)
     heads = model_heads(model)[0] if model is not None else None
     check_heads(heads, config.max_ulysses)
     if not isinstance(datamodule, HydraDataModule):
@@ -66,8 +73,10 @@ def preflight(
         if split not in splits:
             continue
         longest = datamodule.check_longest(split, lengths)
+        if getattr(strategy, "auto_capacity", False):
+            continue  # max_tokens_per_rank="auto" is resolved from the memory model at set-up, checked there
         check_fits(
-            config, world, heads, longest=longest, split=split, global_batch_tokens=datamodule.global_batch_tokens
+            config, pool, heads, longest=longest, split=split, global_batch_tokens=datamodule.global_batch_tokens
         )
 
 
