@@ -96,7 +96,7 @@ def test_plan_digest_mismatch_names_the_ranks() -> None:
     ("kwargs", "error", "match"),
     [
         ({"policy": "hydar"}, ValueError, "unknown policy 'hydar'"),
-        ({"max_tokens_per_rank": -5}, ValueError, "max_tokens_per_rank must be a positive integer, got -5"),
+        ({"max_tokens_per_rank": -5}, ValueError, r"max_tokens_per_rank \(or .auto.\) must be a positive integer"),
         ({"max_tokens_per_rank": -2048}, ValueError, "got -2048"),
         ({"num_microbatches": 0}, ValueError, "num_microbatches must be a positive integer, got 0"),
         ({"kernel": "flsh"}, ValueError, "unknown attention kernel 'flsh'"),
