@@ -1,7 +1,6 @@
 """The ``lightning-hydra`` command (also ``python -m lightning_hydra``).
 
-Training goes through Lightning's ``LightningCLI`` (``fit``, ``validate``, ``--config``, ``--print_config``); the
-package adds its own subcommands::
+Training goes through Lightning's ``LightningCLI`` (``fit``, ``validate``); the package adds its own subcommands::
 
     lightning-hydra fit --config recipes/cpu-demo.yaml      # LightningCLI: any HydraModule + HydraDataModule
     lightning-hydra demo                                     # fit with recipes/cpu-demo.yaml
@@ -9,22 +8,57 @@ package adds its own subcommands::
     lightning-hydra report runs/compare                      # render the dashboard of logged runs
     lightning-hydra plan --world-size 64 --context 32768     # print the plan of one global batch
     lightning-hydra simulate --config recipes/sim-512-32k.yaml --json
+
+An error is printed as one line naming the problem, once (from global rank 0 when every rank found it, from the
+rank that found it otherwise); ``--traceback`` prints the full traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import re
 import subprocess
 import sys
+import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["main", "recipe_path"]
+__all__ = ["COMMANDS", "main", "recipe_path", "run"]
 
-OWN_COMMANDS = ("demo", "compare", "report", "plan", "simulate")
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 """The repository's ``recipes/`` directory (an editable install, as the README's set-up makes)."""
+
+COMMANDS = {
+    "fit": "train a HydraModule on a HydraDataModule (LightningCLI: --config, --trainer.*, --model.*, --data.*)",
+    "validate": "run the validation loop of a configured model and data (LightningCLI)",
+    "demo": "train the CPU demo: fit with recipes/cpu-demo.yaml (what `make demo` runs)",
+    "compare": "run one recipe under the static, mcore and hydra policies on the same batches, then one dashboard",
+    "report": "render the dashboard (HTML with inlined PNGs) of logged runs",
+    "plan": "plan one long-tailed global batch and print groups, degrees, predicted balance and efficiency",
+    "simulate": "the cluster-scale simulator: real planner, simulated hardware (recipes/sim-*.yaml)",
+}
+"""The subcommands and what each does."""
+
+_TRAINING = ("fit", "validate")
+
+USAGE = f"""usage: lightning-hydra [--traceback] COMMAND [ARGS ...]
+
+Load-driven dynamic context parallelism (HyDra) for PyTorch Lightning.
+
+commands:
+{chr(10).join(f"  {name:<10} {text}" for name, text in COMMANDS.items())}
+
+options:
+  -h, --help   show this message
+  --traceback  print the full traceback of an error (default: one line naming the problem)
+
+`lightning-hydra COMMAND --help` shows a command's options (for fit: every --trainer.*, --model.*, --data.* option
+with its description; `lightning-hydra fit --trainer.strategy.help lightning_hydra.HydraStrategy` the strategy's)."""
 
 
 def recipe_path(name: str) -> Path:
@@ -35,72 +69,123 @@ def recipe_path(name: str) -> Path:
     candidate = RECIPES / (name if name.endswith(".yaml") else f"{name}.yaml")
     if candidate.exists():
         return candidate
-    raise FileNotFoundError(f"no recipe {name!r} (looked for {path} and {candidate})")
+    known = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
+    raise FileNotFoundError(f"no recipe {name!r} (looked for {path} and {candidate}; recipes: {known})")
 
 
+# ---------------------------------------------------------------------------------------------- argument types
+def _bounded(kind: Callable[[str], Any], low: float | None, high: float | None, *, low_open: bool = False) -> Any:
+    """An argparse type: ``kind(text)`` within ``[low, high]`` (``low`` excluded when ``low_open``)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high) or value != value:
+            bounds = [f"> {low:,}" if low_open else f">= {low:,}"] if low is not None else []
+            bounds += [f"<= {high:,}"] if high is not None else []
+            raise argparse.ArgumentTypeError(f"{value} is out of range: allowed {' and '.join(bounds)}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def _parser(name: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=f"lightning-hydra {name}", description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+
+
+# ---------------------------------------------------------------------------------------------- training commands
 def _lightning_cli(args: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_hydra.data.datamodule import HydraDataModule
     from lightning_hydra.models.module import HydraModule
 
+    class HydraCLI(LightningCLI):
+        """``LightningCLI`` offering only what a ``HydraModule`` implements (``fit`` and ``validate``)."""
+
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:
+            """``fit`` and ``validate`` (``test`` and ``predict`` need steps a HydraModule does not define)."""
+            return {name: spec for name, spec in LightningCLI.subcommands().items() if name in _TRAINING}
+
     with warnings.catch_warnings():
         # the arguments are sys.argv's own (or built from them): Lightning's "args and sys.argv" warning is noise
         warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        LightningCLI(
+        HydraCLI(
             HydraModule,
             HydraDataModule,
             subclass_mode_model=True,
             args=args,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
+            parser_kwargs={"prog": "lightning-hydra", "description": "train with dynamic context parallelism (HyDra)"},
         )
     return 0
 
 
-# ---------------------------------------------------------------------------------------------- own subcommands
 def _demo(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lightning-hydra demo",
-        description="Train the CPU demo (recipes/cpu-demo.yaml); extra arguments go "
-        "to LightningCLI, e.g. --trainer.max_steps=5",
+    parser = _parser(
+        "demo", "Train the CPU demo (recipes/cpu-demo.yaml); other arguments go to `fit`, e.g. --trainer.max_steps=5"
     )
-    parser.add_argument("--config", default="cpu-demo", help="recipe name or path (default cpu-demo)")
+    parser.add_argument("--config", default="cpu-demo", help="recipe name or path")
     args, rest = parser.parse_known_args(argv)
     return _lightning_cli(["fit", "--config", str(recipe_path(args.config)), *rest])
 
 
 def _compare(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lightning-hydra compare",
-        description="Run one recipe under several policies (same data and seed), then render one dashboard.",
+    from lightning_hydra.planner import POLICIES
+
+    parser = _parser(
+        "compare",
+        "Run one recipe under several policies (same data and seed), one after the other, then render one "
+        "dashboard of all runs. Other arguments go to every `fit`, e.g. --trainer.max_steps=5.",
     )
     parser.add_argument("--config", default="compare-policies", help="recipe name or path")
-    parser.add_argument("--policies", nargs="+", default=["static", "mcore", "hydra"])
+    parser.add_argument("--policies", nargs="+", default=["static", "mcore", "hydra"], choices=sorted(POLICIES))
     parser.add_argument("--out", default="runs/compare", help="log directory of the runs and the dashboard")
     args, rest = parser.parse_known_args(argv)
     config = recipe_path(args.config)
     out = Path(args.out)
-    for policy in args.policies:
+    for k, policy in enumerate(args.policies, 1):
         cmd = [
             sys.executable, "-m", "lightning_hydra", "fit", "--config", str(config),
             f"--trainer.strategy.init_args.policy={policy}",
             f"--trainer.logger.init_args.save_dir={out}", f"--trainer.logger.init_args.name={policy}",
             *rest,
         ]  # fmt: skip
-        print(f"lightning-hydra compare: {' '.join(cmd[2:])}", flush=True)
+        print(
+            f"lightning-hydra compare: run {k}/{len(args.policies)}, policy {policy}: {' '.join(cmd[2:])}", flush=True
+        )
         done = subprocess.run(cmd, check=False)
-        if done.returncode:
-            print(f"lightning-hydra compare: the {policy} run failed ({done.returncode})", file=sys.stderr)
+        if done.returncode:  # the run printed its own error
+            print(f"lightning-hydra compare: the {policy} run failed (exit status {done.returncode})", file=sys.stderr)
             return done.returncode
-    from lightning_hydra.report import render_report, summary_table
+    from lightning_hydra.report import SUMMARY_LEGEND, render_report, summary_table
 
     latest = [max((out / p).glob("version_*"), key=lambda d: int(d.name.split("_")[1])) for p in args.policies]
     page = render_report(latest, out / "dashboard")
-    for row in summary_table({p: _rows(d) for p, d in zip(args.policies, latest, strict=True)}):
-        print(" | ".join(row))
+    _print_table(summary_table({p: _rows(d) for p, d in zip(args.policies, latest, strict=True)}))
+    print("medians over each run's steps:")
+    for column, meaning in SUMMARY_LEGEND:
+        print(f"  {column}: {meaning}")
     print(f"lightning-hydra compare: dashboard {page}")
     return 0
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    for row in rows:
+        print(
+            " | ".join(
+                cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -110,10 +195,12 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-hydra report", description="Render the dashboard of runs.")
+    parser = _parser("report", "Render the dashboard of runs (one HTML page with inlined PNGs).")
     parser.add_argument("runs", nargs="+", help="run directories or hydra_steps.jsonl files (overlaid)")
     parser.add_argument("--out", default=None, help="output directory (default: <first run>/dashboard)")
-    parser.add_argument("--steps", type=int, nargs="*", default=None, help="steps whose timeline to draw")
+    parser.add_argument(
+        "--steps", type=_bounded(int, 0, None), nargs="*", default=None, help="steps whose timeline to draw"
+    )
     args = parser.parse_args(argv)
     from lightning_hydra.report import render_report
 
@@ -122,42 +209,119 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
-def _plan(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lightning-hydra plan", description="Plan one long-tailed global batch and print the plan."
-    )
-    parser.add_argument("--policy", default="hydra", choices=["hydra", "mcore", "static"])
-    parser.add_argument("--world-size", type=int, default=64)
-    parser.add_argument("--ranks-per-node", type=int, default=8)
-    parser.add_argument("--context", type=int, default=32768, help="longest sequence")
-    parser.add_argument("--capacity", type=int, default=None, help="tokens per rank per microbatch (default context/8)")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--fill", type=float, default=0.75, help="share of the pool's tokens the batch fills")
-    parser.add_argument("--lengths", default="lognormal", choices=["lognormal", "stdlib"])
-    parser.add_argument("--hidden-size", type=int, default=4096)
-    parser.add_argument("--num-layers", type=int, default=32)
-    parser.add_argument("--num-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the plan's summary as JSON")
-    args = parser.parse_args(argv)
-    from lightning_hydra.bench.batches import make_batch
-    from lightning_hydra.planner import CostModel, PlannerConfig
+# ---------------------------------------------------------------------------------------------- plan
+MAX_PLAN_SEQUENCES = 500_000
+"""Largest global batch (in sequences) ``plan`` draws and plans without ``--no-limit``."""
+MAX_MCORE_SCANS = 150_000_000
+"""Largest ``sequences x ranks`` ``plan --policy mcore`` runs without ``--no-limit`` (its whole-pool scans: about
+2 minutes here; 2,048 ranks x 18,000 sequences took 28 s)."""
 
+_POLICY_TEXT = {
+    "hydra": "load-driven: every sequence's CP degree balances predicted time against one target per microbatch",
+    "mcore": "Megatron-Core Dynamic-CP: memory-sized power-of-two degrees, packed until ranks are full",
+    "static": "one CP degree for every sequence, sized for the longest allowed one",
+}
+
+PLAN_LEGEND = """legend:
+  group       ranks that process some sequences together in one microbatch; every sequence of the group is split
+              over all its ranks (context parallelism). "ranks 8-15" is a group of 8 ranks.
+  degree d    the number of ranks of a group: d = u x r, with u Ulysses ranks (all-to-all over attention heads,
+              inside one node) and r ring ranks (key/value blocks passed around, across nodes)
+  load        the cost model's predicted time of one rank in one microbatch (compute + exposed communication)
+  efficiency  (useful compute / ranks) / sum over microbatches of the slowest rank's load; 1.0 means no rank
+              ever waits and no communication is exposed
+  max/mean    the busiest rank's total predicted time over the mean rank's (1.0 is perfect balance)"""
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    from lightning_hydra.bench.batches import DISTRIBUTIONS
+    from lightning_hydra.planner import POLICIES
+
+    parser = _parser(
+        "plan",
+        "Draw one long-tailed global batch sized to fill the pool, plan it with a policy and print the plan: "
+        "groups, CP degrees, predicted loads, balance and efficiency. Times are predictions of an analytic cost "
+        "model of the given transformer shape (default: Llama-3-8B) at 400 TFLOP/s, not measurements.",
+    )
+    pos = _bounded(int, 1, None)
+    parser.add_argument("--policy", default="hydra", choices=sorted(POLICIES), help="planning policy")
+    parser.add_argument("--world-size", type=_bounded(int, 1, 65536), default=64, help="ranks in the pool")
+    parser.add_argument("--ranks-per-node", type=_bounded(int, 1, 1024), default=8, help="ranks (GPUs) per node")
+    parser.add_argument("--context", type=_bounded(int, 16, 1 << 24), default=32768, help="longest sequence")
+    parser.add_argument(
+        "--capacity", type=_bounded(int, 16, 1 << 24), default=None,
+        help="tokens per rank per microbatch (max_tokens_per_rank; default: max(1024, context / 8))",
+    )  # fmt: skip
+    parser.add_argument("--microbatches", type=_bounded(int, 1, 1024), default=4, help="microbatches per step")
+    parser.add_argument(
+        "--fill", type=_bounded(float, 0.0, 1.0, low_open=True), default=0.75,
+        help="share of the pool's tokens (ranks x capacity x microbatches) the batch fills",
+    )  # fmt: skip
+    parser.add_argument("--lengths", default="lognormal", choices=sorted(DISTRIBUTIONS), help="length distribution")
+    parser.add_argument("--hidden-size", type=pos, default=4096, help="model width")
+    parser.add_argument("--num-layers", type=pos, default=32, help="transformer blocks")
+    parser.add_argument("--num-heads", type=pos, default=32, help="attention heads")
+    parser.add_argument("--num-kv-heads", type=pos, default=8, help="key/value heads (GQA)")
+    parser.add_argument("--seed", type=_bounded(int, 0, None), default=0, help="seed of the batch and the planner")
+    parser.add_argument("--json", action="store_true", help="print the plan's summary as JSON")
+    parser.add_argument(
+        "--no-limit", action="store_true",
+        help=f"plan batches over {MAX_PLAN_SEQUENCES:,} sequences (or mcore over {MAX_MCORE_SCANS:.1e} "
+        "sequence x rank scans), which take minutes to hours",
+    )  # fmt: skip
+    return parser
+
+
+def _plan(argv: list[str]) -> int:
+    parser = _plan_parser()
+    args = parser.parse_args(argv)
+    import numpy as np
+
+    from lightning_hydra.bench.batches import DISTRIBUTIONS, make_batch
+    from lightning_hydra.console import progress
+    from lightning_hydra.planner import CostModel, PlannerConfig
+    from lightning_hydra.strategy.checks import check_pool
+
+    if args.num_heads % args.num_kv_heads:
+        parser.error(f"--num-heads {args.num_heads} is not a multiple of --num-kv-heads {args.num_kv_heads}")
+    if args.hidden_size % args.num_heads:
+        parser.error(f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}")
+    check_pool(args.world_size, args.ranks_per_node)
     capacity = args.capacity or max(1024, args.context // 8)
+    budget = args.fill * args.world_size * capacity * args.microbatches
+    sample = DISTRIBUTIONS[args.lengths](np.random.default_rng(args.seed), 4096, args.context)
+    expected = budget / float(sample.mean())
+    if not args.no_limit and expected > MAX_PLAN_SEQUENCES:
+        parser.error(
+            f"this batch would hold about {expected:,.0f} sequences (limit {MAX_PLAN_SEQUENCES:,}): lower "
+            "--world-size, --microbatches, --capacity or --fill, raise --context, or pass --no-limit"
+        )
+    if not args.no_limit and args.policy == "mcore" and expected * args.world_size > MAX_MCORE_SCANS:
+        parser.error(
+            f"mcore scans the whole pool for every sequence: about {expected:,.0f} sequences x {args.world_size:,} "
+            f"ranks, over the limit of {MAX_MCORE_SCANS:.1e} (minutes of planning); lower --world-size or --fill, "
+            "or pass --no-limit"
+        )
     lengths = make_batch(
         args.lengths, world_size=args.world_size, capacity=capacity, num_microbatches=args.microbatches,
         fill=args.fill, context=args.context, seed=args.seed,
     )  # fmt: skip
+    if lengths.size == 0:
+        parser.error(f"--fill {args.fill} of the pool holds no sequence: raise --fill or --capacity")
     cost = CostModel.for_transformer(args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads)
     config = PlannerConfig(
         policy=args.policy, max_tokens_per_rank=capacity, num_microbatches=args.microbatches,
         ranks_per_node=args.ranks_per_node,
     )  # fmt: skip
-    plan = config.schedule(
-        lengths, world_size=args.world_size, cost=cost, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-        seed=args.seed,
-    )  # fmt: skip
+    label = (
+        f"lightning-hydra plan: planning {lengths.size:,} sequences ({int(lengths.sum()):,} tokens) on "
+        f"{args.world_size:,} ranks with {args.policy}"
+    )
+    with progress(label, every=10.0):
+        plan = config.schedule(
+            lengths, world_size=args.world_size, cost=cost, num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads, seed=args.seed,
+        )  # fmt: skip
     loads = plan.loads(cost)
     per_rank = loads.sum(axis=0)
     summary = {
@@ -165,6 +329,7 @@ def _plan(argv: list[str]) -> int:
         "sequences": int(lengths.size),
         "tokens": int(lengths.sum()),
         "longest": int(lengths.max()),
+        "microbatches_asked": args.microbatches,
         "microbatches": plan.num_microbatches,
         "efficiency": plan.efficiency(cost),
         "predicted_max_over_mean": float(per_rank.max() / per_rank.mean()),
@@ -175,19 +340,66 @@ def _plan(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    for key, value in summary.items():
-        print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
+    _print_plan(args, capacity, lengths, plan, loads, summary)
+    return 0
+
+
+def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any, loads: Any, summary: dict) -> None:
+    defaults = vars(_plan_parser().parse_args([]))
+
+    def given(*names: str) -> str:
+        return " (given)" if any(defaults.get(n) != getattr(args, n) for n in names) else ""
+
+    print("settings (defaults unless marked; `lightning-hydra plan --help` describes each option):")
+    print(f"  pool           {args.world_size:,} ranks{given('world_size')}, {args.ranks_per_node} per node"
+          f"{given('ranks_per_node')}")  # fmt: skip
+    capacity_note = " (given)" if args.capacity else " (max(1024, context / 8))"
+    print(f"  capacity       {capacity:,} tokens per rank per microbatch{capacity_note}")
+    print(f"  batch          {args.lengths} lengths{given('lengths')} up to {args.context:,} tokens{given('context')}, "
+          f"filling {args.fill:g} of the pool{given('fill')} over {args.microbatches} microbatches"
+          f"{given('microbatches')}, seed {args.seed}{given('seed')}")  # fmt: skip
+    print(f"  model          hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "
+          f"{args.num_kv_heads} KV heads{given('hidden_size', 'num_layers', 'num_heads', 'num_kv_heads')}; "
+          "cost model at 400 TFLOP/s (assumed)")  # fmt: skip
+    print(f"  policy         {args.policy}{given('policy')}: {_POLICY_TEXT[args.policy]}")
+    print()
+    asked, made = args.microbatches, plan.num_microbatches
+    if made == asked:
+        micro = f"{made}"
+    elif args.policy == "mcore":
+        micro = f"{made} ({asked} asked: mcore, like Megatron's scheduler, packs ranks to capacity and makes as many "
+        micro += "microbatches as its packing needs)"
+    else:
+        micro = f"{made} ({asked} asked: what did not fit spilled into more)"
+    degrees = ", ".join(f"d={d}: {n:,}" for d, n in plan.degree_histogram().items())
+    rows = (
+        ("sequences", f"{summary['sequences']:,} ({summary['tokens']:,} tokens, longest {summary['longest']:,})"),
+        ("microbatches", micro),
+        ("efficiency", f"{summary['efficiency']:.3f} (predicted; 1.0 is perfect)"),
+        ("max/mean", f"{summary['predicted_max_over_mean']:.3f} (predicted busy time, busiest rank / mean rank)"),
+        ("step time", f"{summary['predicted_step_s']:.3f} s (predicted: sum over microbatches of the slowest rank)"),
+        ("degrees", f"sequences per CP degree: {degrees}"),
+        ("digest", summary["digest"]),
+    )
+    for key, value in rows:
+        print(f"{key:>14}  {value}")
     for m, groups in enumerate(plan.microbatches):
         busy = [g for g in groups if g.seq_ids]
         print(
-            f"microbatch {m}: {len(busy)} working groups, max load {loads[m].max():.3f} s, mean {loads[m].mean():.3f} s"
+            f"microbatch {m}: {len(busy)} working groups; predicted load per rank: slowest {loads[m].max():.3f} s, "
+            f"mean {loads[m].mean():.3f} s"
         )
         for g in sorted(busy, key=lambda g: -g.degree)[:6]:
             lens = sorted((int(lengths[i]) for i in g.seq_ids), reverse=True)
-            print(f"    ranks {g.ranks[0]}..{g.ranks[-1]} u={g.ulysses} r={g.ring}: {len(lens)} seqs {lens[:5]}")
+            ranks = f"rank {g.ranks[0]}" if len(g.ranks) == 1 else f"ranks {g.ranks[0]}-{g.ranks[-1]}"
+            shown = ", ".join(f"{x:,}" for x in lens[:5]) + (", ..." if len(lens) > 5 else "")
+            print(
+                f"    {ranks}: degree {g.degree} = {g.ulysses} Ulysses x {g.ring} ring, {len(lens)} "
+                f"sequence{'s' * (len(lens) > 1)} ({shown} tokens)"
+            )
         if len(busy) > 6:
             print(f"    ... {len(busy) - 6} more groups")
-    return 0
+    print(PLAN_LEGEND)
 
 
 def _simulate(argv: list[str]) -> int:
@@ -196,14 +408,131 @@ def _simulate(argv: list[str]) -> int:
     return simulate(argv)
 
 
+# ---------------------------------------------------------------------------------------------- entry point
+_OWN: dict[str, Callable[[list[str]], int]] = {
+    "demo": _demo,
+    "compare": _compare,
+    "report": _report,
+    "plan": _plan,
+    "simulate": _simulate,
+}
+
+_SECONDARY = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|Socket Timeout|NCCL communicator was aborted|"
+    r"ProcessGroup(Gloo|NCCL).*(closed|abort)|Connection refused",
+    re.IGNORECASE,
+)
+
+
+def _is_secondary(exc: BaseException) -> bool:
+    """Whether ``exc`` is a rank noticing that another rank went away (not a problem of its own: a rank that
+    cannot open its own socket, for example, is not)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _SECONDARY.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _rank() -> int:
+    """This process's global rank as the launcher set it in the environment (0 when not launched as a rank)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", None)
+    if rank is None:
+        for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+            if os.environ.get(name, "").isdigit():
+                return int(os.environ[name])
+        return 0
+    return int(rank)
+
+
+def _union_reason(text: str) -> str:
+    """The cause inside jsonargparse's "Does not validate against any of the Union subtypes" message (a class
+    given by ``class_path`` whose constructor raised is listed beside the type mismatches of the other subtypes)."""
+    if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:" not in text:
+        return text
+    block = text.split("\nErrors:", 1)[1].split("\nGiven value type:", 1)[0]
+    reasons = [r.strip() for r in re.split(r"^\s*- ", block, flags=re.M) if r.strip()]
+    causes = [r for r in reasons if not r.startswith(("Expected a <class", "Not a valid subclass", "Type <class"))]
+    return " ".join((causes or reasons or [text])[0].split())
+
+
+def _message(exc: BaseException) -> str:
+    from lightning_hydra.errors import ConfigError
+
+    text = _union_reason(str(exc).strip()) or type(exc).__name__
+    if isinstance(exc, (ConfigError, ValueError, TypeError, FileNotFoundError)):
+        return text.splitlines()[0] if isinstance(exc, FileNotFoundError) else text
+    return f"{type(exc).__name__}: {text} (--traceback for details)"
+
+
+def report_error(exc: BaseException, *, rank: int, show_traceback: bool = False) -> None:
+    """Print ``exc`` the way the command does: one line, once (see the module documentation).
+
+    Args:
+        exc: The error.
+        rank: This process's global rank.
+        show_traceback: Print the full traceback instead (every rank).
+    """
+    from lightning_hydra.errors import ConfigError
+
+    if show_traceback:
+        traceback.print_exception(exc, file=sys.stderr)
+        return
+    secondary = _is_secondary(exc)
+    if rank == 0:
+        line = (
+            "stopped: another rank failed (its error is printed by that rank; --traceback for details)"
+            if secondary
+            else f"error: {_message(exc)}"
+        )
+    elif secondary or isinstance(exc, ConfigError):
+        return  # rank 0 says it (a ConfigError is found the same way on every rank), or the failing rank does
+    else:
+        line = f"error on rank {rank}: {_message(exc)}"
+    print(f"lightning-hydra: {line}", file=sys.stderr, flush=True)
+
+
+def run(argv: list[str]) -> int:
+    """Run one command (errors are raised, not printed: :func:`main` prints them)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command = argv[0]
+    if command in _OWN:
+        return _OWN[command](argv[1:])
+    if command in _TRAINING or command.startswith("-"):
+        return _lightning_cli(argv)
+    print(USAGE, file=sys.stderr)
+    hint = " (LightningCLI's test and predict need steps a HydraModule does not define)" * (
+        command in ("test", "predict")
+    )
+    print(f"lightning-hydra: error: unknown command {command!r}{hint}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``lightning-hydra``: the package's subcommands, else ``LightningCLI``."""
+    """Entry point of ``lightning-hydra``: the package's subcommands, else ``LightningCLI``; errors as one line."""
+    from lightning_hydra.console import quiet_known_noise
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Lightning 2.6 on torch 2.13 warns once per process about a deprecated pytree class; it is not actionable here
-    warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")
-    if argv and argv[0] in OWN_COMMANDS:
-        command = {"demo": _demo, "compare": _compare, "report": _report, "plan": _plan, "simulate": _simulate}
-        return command[argv[0]](argv[1:])
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-    return _lightning_cli(argv)
+    show_traceback = "--traceback" in argv or os.environ.get("LIGHTNING_HYDRA_TRACEBACK") == "1"
+    argv = [a for a in argv if a != "--traceback"]
+    quiet_known_noise()
+    rank = _rank()
+    if rank != 0:  # ranks started by the launcher: their per-rank start-up lines repeat rank 0's
+        for name in ("lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        return run(argv)
+    except KeyboardInterrupt:
+        return 130
+    except SystemExit as done:  # argparse's usage errors, --help, a run stopped by SIGTERM
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    except Exception as exc:
+        report_error(exc, rank=_rank(), show_traceback=show_traceback)
+        return 1

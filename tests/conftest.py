@@ -11,3 +11,21 @@ from lightning_hydra.planner import CostModel
 def cost() -> CostModel:
     """An 8B-shaped analytic cost model (communication charged)."""
     return CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
+
+
+@pytest.fixture
+def isolated_process():
+    """Undo what an in-process Lightning launch leaves in this process: the launcher's environment variables
+    (``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE``, ... would make later launches skip starting their ranks or
+    reuse a port) and a default process group created by the test."""
+    import os
+
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    had_group = dist.is_available() and dist.is_initialized()
+    yield
+    if dist.is_available() and dist.is_initialized() and not had_group:
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)

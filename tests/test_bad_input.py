@@ -11,6 +11,8 @@ from lightning_hydra.data.datamodule import _Source
 from lightning_hydra.strategy import check_digests, check_pool
 from lightning_hydra.testing import run_world
 
+pytestmark = pytest.mark.usefixtures("isolated_process")  # in-process launches leave no trace
+
 
 @pytest.mark.parametrize(("world", "per_node"), [(6, 4), (3, 2), (3, 8)])
 def test_world_size_must_match_ranks_per_node(world: int, per_node: int) -> None:
@@ -87,3 +89,142 @@ def _digest_worker(rank: int, world: int) -> str:
 def test_plan_digest_mismatch_names_the_ranks() -> None:
     for message in run_world(3, _digest_worker, timeout=120):
         assert "ranks [1] disagree with rank 0" in message
+
+
+# ---------------------------------------------------------------------------------------------- issue 13: arguments
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"policy": "hydar"}, ValueError, "unknown policy 'hydar'"),
+        ({"max_tokens_per_rank": -5}, ValueError, r"max_tokens_per_rank \(or .auto.\) must be a positive integer"),
+        ({"max_tokens_per_rank": -2048}, ValueError, "got -2048"),
+        ({"num_microbatches": 0}, ValueError, "num_microbatches must be a positive integer, got 0"),
+        ({"kernel": "flsh"}, ValueError, "unknown attention kernel 'flsh'"),
+        ({"ranks_per_node": 0}, ValueError, "ranks_per_node"),
+        ({"calibrate": "yes"}, TypeError, "calibrate must be True or False"),
+        ({"monitor": 3}, TypeError, "monitor must be True, False or a BubbleMonitor"),
+        ({"cost": {"a": 1}}, TypeError, "cost must be a lightning_hydra.CostModel"),
+    ],
+)
+def test_strategy_checks_its_arguments_at_construction(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        HydraStrategy(**kwargs)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield torch.arange(4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"global_batch_tokens": 0}, ValueError, "global_batch_tokens=0 is out of range: must be positive"),
+        ({"global_batch_tokens": -5}, ValueError, "global_batch_tokens=-5"),
+        ({"global_batch_tokens": "12k"}, TypeError, "global_batch_tokens must be an integer, got '12k'"),
+        ({"global_batch_tokens": 100, "pad_id": -1}, ValueError, "pad_id=-1 is out of range"),
+        ({"global_batch_tokens": 100, "max_seq_len": 0}, ValueError, "max_seq_len=0"),
+        ({"global_batch_tokens": 100, "seed": -1}, ValueError, "seed=-1"),
+        ({"global_batch_tokens": 100, "shuffle": "no"}, TypeError, "shuffle must be True or False"),
+        ({"global_batch_tokens": 100, "train_dataset": _Stream()}, TypeError, "must be a map-style dataset"),
+        ({"global_batch_tokens": 100, "train_lengths": [3]}, ValueError, "train_lengths is given without"),
+    ],
+)
+def test_datamodule_checks_its_arguments_at_construction(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        HydraDataModule(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"pipeline_stages": 0}, ValueError, "pipeline_stages=0"),
+        ({"timeline_every_n_steps": 0}, ValueError, "timeline_every_n_steps=0"),
+        ({"step_time": "walll"}, ValueError, "did you mean 'wall'"),
+        ({"dashboard": "yes"}, TypeError, "dashboard must be True or False"),
+    ],
+)
+def test_bubble_monitor_checks_its_arguments(kwargs, error, match) -> None:
+    from lightning_hydra import BubbleMonitor
+
+    with pytest.raises(error, match=match):
+        BubbleMonitor(**kwargs)
+
+
+def test_pipeline_bubble_takes_what_users_pass() -> None:
+    import numpy as np
+
+    from lightning_hydra import metrics
+
+    floor = metrics.min_pipeline_bubble(8, 4)
+    assert floor == pytest.approx(3 / 11)
+    for times in (np.ones(8), torch.ones(8), [1.0] * 8, tuple([2] * 8)):
+        assert metrics.pipeline_bubble(times, 4) == pytest.approx(floor)
+    with pytest.raises(ValueError, match="finite"):
+        metrics.pipeline_bubble(np.array([1.0, np.nan]), 2)
+    with pytest.raises(ValueError, match="1-D"):
+        metrics.pipeline_bubble(np.ones((2, 2)), 2)
+    with pytest.raises(ValueError, match="stages=0"):
+        metrics.pipeline_bubble(np.ones(4), 0)
+
+
+def test_token_ids_outside_the_vocabulary_name_the_item() -> None:
+    source = _Source([torch.tensor([1, 2, 3]), torch.tensor([5, 300, 7])], "train", None, False)
+    source.vocab_size = 258
+    assert source.item(0).tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"train item 1 holds token id 300, outside the model's vocabulary of 258"):
+        source.item(1)
+    with pytest.raises(ValueError, match="token id -1"):
+        _vocab_source([torch.tensor([-1, 2])]).item(0)
+
+
+def _vocab_source(data) -> _Source:
+    source = _Source(data, "train", None, False)
+    source.vocab_size = 258
+    return source
+
+
+# ---------------------------------------------------------------------------------------------- before launch
+def _tiny(**kw) -> DecoderLM:
+    return DecoderLM(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, **kw)
+
+
+@pytest.mark.parametrize(
+    ("model_kw", "data_kw", "strategy_kw", "match"),
+    [
+        ({"vocab_size": 200}, {}, {}, r"pad_id=256 is outside the model's vocabulary of 200 tokens"),
+        ({}, {"global_batch_tokens": 100_000}, {}, r"global_batch_tokens=100000 exceeds what 1 microbatch of 4"),
+        ({}, {"corpus_max_bytes": 100_000}, {}, r"sequence of \d+ tokens, more than the pool can hold"),
+        ({}, {"max_seq_len": 500}, {}, r"over max_seq_len=500; pass truncate=True"),
+        ({}, {}, {"ranks_per_node": 3}, r"world size 4 is not a multiple of ranks_per_node=3"),
+        ({}, {}, {"ulysses_degree": 4}, r"2 attention heads cannot be split over ulysses_degree=4"),
+    ],
+)
+def test_bad_setups_fail_before_any_rank_starts(tmp_path, model_kw, data_kw, strategy_kw, match) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_hydra.errors import ConfigError
+
+    strategy = HydraStrategy(**{"ranks_per_node": 4, "max_tokens_per_rank": 1024, **strategy_kw})
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, default_root_dir=tmp_path)
+    data = HydraDataModule(**{"global_batch_tokens": 1000, "corpus_max_bytes": 3000, **data_kw})
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(_tiny(**model_kw), data)
+    assert strategy.launcher.procs == []  # checked in this process: no rank was started
+    assert list(tmp_path.iterdir()) == []  # and no log directory was created
+
+
+def test_a_run_failing_at_set_up_leaves_no_empty_run_directory(tmp_path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_hydra.errors import ConfigError
+
+    loggers = [CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HydraStrategy(ranks_per_node=1), max_steps=1, logger=loggers
+    )
+    data = HydraDataModule([torch.arange(50), torch.arange(600)], global_batch_tokens=100, max_seq_len=500)
+    with pytest.raises(ConfigError, match="train sequence 1 has 600 tokens, over max_seq_len=500"):
+        trainer.fit(_tiny(), data)  # a list has no lengths(): found at set-up, after the loggers made their folders
+    assert not list(tmp_path.rglob("version_*")), list(tmp_path.rglob("*"))

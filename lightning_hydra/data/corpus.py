@@ -56,11 +56,13 @@ class StdlibCorpus(Dataset):
     def __init__(
         self, split: str = "train", *, min_bytes: int = 64, max_bytes: int | None = 65536, val_share: float = 0.05
     ) -> None:
-        """Args:
-        split: ``"train"``, ``"val"`` or ``"all"``.
-        min_bytes: Files shorter than this are left out.
-        max_bytes: Files longer than this are left out (``None``: keep all).
-        val_share: Share of files held out for validation.
+        """Select the corpus documents.
+
+        Args:
+            split: ``"train"``, ``"val"`` or ``"all"``.
+            min_bytes: Files shorter than this are left out.
+            max_bytes: Files longer than this are left out (``None``: keep all).
+            val_share: Share of files held out for validation.
         """
         if split not in ("train", "val", "all"):
             raise ValueError(f"split must be train, val or all, got {split!r}")

@@ -18,13 +18,14 @@ from typing_extensions import override
 from lightning_hydra.data.batching import global_batches
 from lightning_hydra.data.corpus import PAD_ID, StdlibCorpus
 from lightning_hydra.data.packing import StepBatch, pack_rank, rank_sequences, trained_tokens
+from lightning_hydra.errors import ConfigError, check_bool, check_int
 from lightning_hydra.planner import CostModel, Group, Plan
 from lightning_hydra.planner.calibration import bin_features
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
 
-__all__ = ["HydraDataModule", "PendingStep", "resolve", "scan_lengths"]
+__all__ = ["HydraDataModule", "PendingStep", "model_vocab_size", "resolve", "scan_lengths"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,32 @@ def scan_lengths(dataset: Any, rank: int = 0, world_size: int = 1) -> dict[int, 
     return {i: _item_length(dataset[i]) for i in range(rank, len(dataset), world_size)}
 
 
+def model_vocab_size(module: Any) -> int | None:
+    """Vocabulary size of a model: ``model_shape()["vocab_size"]`` of a ``HydraModule``, else the rows of the input
+    embedding (``get_input_embeddings()``, as Hugging Face models have); ``None`` when unknown."""
+    shape = getattr(module, "model_shape", None)
+    if callable(shape):
+        size = shape().get("vocab_size")
+        if size:
+            return int(size)
+    embeddings = getattr(module, "get_input_embeddings", None)
+    if callable(embeddings):
+        layer = embeddings()
+        if layer is not None and hasattr(layer, "num_embeddings"):
+            return int(layer.num_embeddings)
+    return None
+
+
+def _check_map_style(dataset: Any, name: str) -> None:
+    if dataset is None:
+        return
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"{name} must be a map-style dataset (with __len__ and __getitem__: a list, a torch Dataset, a datasets "
+            f"column), got {type(dataset).__name__}: planning needs every sequence's length before the epoch"
+        )
+
+
 class _Source:
     """A map-style dataset with its lengths known once (given, from ``dataset.lengths()``, or scanned once with the
     pool sharing the reads), truncated when asked."""
@@ -65,7 +92,7 @@ class _Source:
         runtime: Any = None,
     ) -> None:
         if dataset is None or len(dataset) == 0:
-            raise ValueError(f"the {name} dataset is empty")
+            raise ConfigError(f"the {name} dataset is empty")
         self.dataset = dataset
         self.name = name
         if lengths is None and hasattr(dataset, "lengths"):
@@ -79,22 +106,41 @@ class _Source:
                     merged.update(part)
                 found = merged
             lengths = [found[i] for i in range(len(dataset))]
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if lengths.shape != (len(dataset),):
-            raise ValueError(f"{name} lengths hold {lengths.size} entries for a dataset of {len(dataset)} items")
-        if (lengths <= 0).any():
-            bad = int(np.flatnonzero(lengths <= 0)[0])
-            raise ValueError(f"{name} dataset item {bad} is empty")
         self.max_seq_len = max_seq_len if truncate else None
-        self.lengths = np.minimum(lengths, max_seq_len) if (truncate and max_seq_len) else lengths
+        self.lengths = _checked_lengths(lengths, len(dataset), name, max_seq_len, truncate)
+        self.vocab_size: int | None = None
+        """Token ids must lie in ``[0, vocab_size)`` (``None``: unchecked); set by the data module at set-up."""
 
     def item(self, index: int) -> torch.Tensor:
+        """Item ``index`` as a 1-D long tensor (cut to ``max_seq_len`` when truncating), its length and token ids
+        checked (``ValueError``: this rank read a sequence that disagrees with its recorded length or vocabulary)."""
         t = _as_tensor(self.dataset[index])
         if self.max_seq_len is None and t.numel() != self.lengths[index]:
             raise ValueError(
                 f"{self.name} item {index} has {t.numel()} tokens, but its recorded length is {self.lengths[index]}"
             )
-        return t[: self.max_seq_len] if self.max_seq_len else t
+        t = t[: self.max_seq_len] if self.max_seq_len else t
+        if self.vocab_size is not None and t.numel():
+            low, high = int(t.min()), int(t.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"{self.name} item {index} holds token id {bad}, outside the model's vocabulary of "
+                    f"{self.vocab_size} (ids 0..{self.vocab_size - 1}): tokenize with the model's tokenizer, or give "
+                    "the model a larger vocab_size"
+                )
+        return t
+
+
+def _checked_lengths(lengths: Any, size: int, name: str, max_seq_len: int | None, truncate: bool) -> np.ndarray:
+    """The lengths of a dataset of ``size`` items as an array, checked (``ConfigError``) and cut when truncating."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.shape != (size,):
+        raise ConfigError(f"{name} lengths hold {lengths.size} entries for a dataset of {size} items")
+    if (lengths <= 0).any():
+        bad = int(np.flatnonzero(lengths <= 0)[0])
+        raise ConfigError(f"{name} dataset item {bad} is empty")
+    return np.minimum(lengths, max_seq_len) if (truncate and max_seq_len) else lengths
 
 
 class PendingStep:
@@ -139,7 +185,14 @@ class _StepStream(IterableDataset):
         runtime = dm._runtime()
         if not dm.plan_ahead:
             for step in range(start, len(batches)):
-                yield dm.make_step(source, epoch, step, batches[step], runtime.cost_model, runtime.cost_version)
+                done: Future = Future()  # planned here, on the loader's critical path
+                try:
+                    done.set_result(
+                        dm.make_step(source, epoch, step, batches[step], runtime.cost_model, runtime.cost_version)
+                    )
+                except Exception as exc:  # reported at batch transfer, after the ranks agreed (see below)
+                    done.set_exception(exc)
+                yield PendingStep(done)
             return
         # One planning thread: the item for step k is asked for (Lightning prefetches one) while step k - 1 trains;
         # it is planned with the cost model of that moment, in the background, and waited for at batch transfer.
@@ -177,30 +230,44 @@ class HydraDataModule(pl.LightningDataModule):
         val_lengths: Sequence[int] | None = None,
         plan_ahead: bool = True,
     ) -> None:
-        """Args:
-        train_dataset: Map-style dataset of token-id sequences (1-D tensors, lists, numpy arrays, dicts with
-            ``input_ids``, or a Hugging Face ``datasets`` column). ``None``: the embedded standard-library corpus.
-        global_batch_tokens: Tokens per global batch (one optimizer step over the whole pool).
-        val_dataset: Validation dataset; ``None`` with the embedded corpus uses its validation split, otherwise none.
-        seed: Seed of the per-epoch shuffle (and of tie-breaking in the planner).
-        shuffle: Shuffle the training sequences every epoch.
-        max_seq_len: Longest sequence allowed; longer ones are an error unless ``truncate``.
-        truncate: Cut sequences longer than ``max_seq_len`` (their tail is not trained: an explicit, lossy choice).
-        pad_id: Token id of padding.
-        corpus_max_bytes: Length filter of the embedded corpus.
-        train_lengths: Token count of every training item, if known (an index): the dataset is then not scanned
-            at set-up. Otherwise ``train_dataset.lengths()`` if it has one, else every item is read once, the pool
-            sharing the reads.
-        val_lengths: The same for the validation dataset.
-        plan_ahead: Plan (and read) step ``k + 1`` in a background thread while step ``k`` trains, with the cost
-            model current when that step's item is requested (Lightning asks for it one step ahead, so step ``k``'s
-            plan uses the model refitted after step ``k - 2``). ``False``: plan on the loader's critical path.
+        """Describe the data and the global batches.
+
+        Args:
+            train_dataset: Map-style dataset of token-id sequences (1-D tensors, lists, numpy arrays, dicts with
+                ``input_ids``, or a Hugging Face ``datasets`` column). ``None``: the embedded standard-library corpus.
+            global_batch_tokens: Tokens per global batch (one optimizer step over the whole pool).
+            val_dataset: Validation dataset; ``None`` with the embedded corpus uses its validation split, otherwise
+                there is no validation.
+            seed: Seed of the per-epoch shuffle (and of tie-breaking in the planner).
+            shuffle: Shuffle the training sequences every epoch.
+            max_seq_len: Longest sequence allowed; longer ones are an error unless ``truncate``.
+            truncate: Cut sequences longer than ``max_seq_len`` (their tail is not trained: an explicit, lossy choice).
+            pad_id: Token id of padding.
+            corpus_max_bytes: Length filter of the embedded corpus.
+            train_lengths: Token count of every training item, if known (an index): the dataset is then not scanned
+                at set-up. Otherwise ``train_dataset.lengths()`` if it has one, else every item is read once, the pool
+                sharing the reads.
+            val_lengths: The same for the validation dataset.
+            plan_ahead: Plan (and read) step ``k + 1`` in a background thread while step ``k`` trains, with the cost
+                model current when that step's item is requested (Lightning asks for it one step ahead, so step ``k``'s
+                plan uses the model refitted after step ``k - 2``). ``False``: plan on the loader's critical path.
         """
         super().__init__()
-        if global_batch_tokens < 1:
-            raise ValueError(f"global_batch_tokens must be positive, got {global_batch_tokens}")
+        check_int("global_batch_tokens", global_batch_tokens)
+        check_int("seed", seed, low=0)
+        check_bool("shuffle", shuffle)
+        check_int("max_seq_len", max_seq_len, none=True)
+        check_bool("truncate", truncate)
+        check_int("pad_id", pad_id, low=0)
+        check_int("corpus_max_bytes", corpus_max_bytes, none=True)
+        check_bool("plan_ahead", plan_ahead)
+        _check_map_style(train_dataset, "train_dataset")
+        _check_map_style(val_dataset, "val_dataset")
         if truncate and not max_seq_len:
             raise ValueError("truncate=True needs max_seq_len")
+        for name, lengths, dataset in (("train", train_lengths, train_dataset), ("val", val_lengths, val_dataset)):
+            if lengths is not None and dataset is None:
+                raise ValueError(f"{name}_lengths is given without {name}_dataset")
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
         self.global_batch_tokens = int(global_batch_tokens)
@@ -219,15 +286,59 @@ class HydraDataModule(pl.LightningDataModule):
         self._epoch = 0
 
     # ------------------------------------------------------------------ datasets
+    def _datasets(self) -> tuple[Any, Any]:
+        """The training and validation datasets (the embedded corpus' splits when ``train_dataset`` is ``None``)."""
+        train, val = self.train_dataset, self.val_dataset
+        if train is None:
+            train = StdlibCorpus("train", max_bytes=self.corpus_max_bytes)
+            val = StdlibCorpus("val", max_bytes=self.corpus_max_bytes) if val is None else val
+        return train, val
+
+    def lengths_before_setup(self) -> dict[str, np.ndarray]:
+        """Lengths of the splits that are known without reading items (given, or ``dataset.lengths()``), checked
+        and truncated as at set-up: what the pre-launch checks use. Splits whose lengths need a scan are left out
+        (they are checked at set-up, identically on every rank)."""
+        train, val = self._datasets()
+        out = {}
+        for name, dataset, given in (("train", train, self.train_lengths), ("validation", val, self.val_lengths)):
+            if dataset is None:
+                continue
+            if len(dataset) == 0:
+                raise ConfigError(f"the {name} dataset is empty")
+            lengths = given if given is not None else (dataset.lengths() if hasattr(dataset, "lengths") else None)
+            if lengths is not None:
+                out[name] = _checked_lengths(lengths, len(dataset), name, self.max_seq_len, self.truncate)
+        return out
+
+    def check_longest(self, split: str, lengths: np.ndarray) -> int:
+        """The longest sequence of a split; ``ConfigError`` when it exceeds ``max_seq_len`` (without ``truncate``)."""
+        longest = int(lengths.max())
+        if self.max_seq_len and longest > self.max_seq_len:
+            index = int(lengths.argmax())
+            raise ConfigError(
+                f"{split} sequence {index} has {longest} tokens, over max_seq_len={self.max_seq_len}; "
+                "pass truncate=True to cut it (its tail will not be trained)"
+            )
+        return longest
+
+    def check_vocabulary(self, vocab_size: int | None) -> None:
+        """``ConfigError`` unless ``pad_id`` is a token of a vocabulary of ``vocab_size`` (``None``: unknown, no
+        check)."""
+        if vocab_size is not None and self.pad_id >= vocab_size:
+            raise ConfigError(
+                f"pad_id={self.pad_id} is outside the model's vocabulary of {vocab_size} tokens "
+                f"(ids 0..{vocab_size - 1}): pass HydraDataModule(pad_id=...) with a token of the model's vocabulary "
+                "(its padding or EOS id)"
+            )
+
     @override
     def setup(self, stage: str) -> None:
         runtime = self._runtime()
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        vocab = model_vocab_size(module)
+        self.check_vocabulary(vocab)
         if "train" not in self._sources:
-            train = self.train_dataset
-            val = self.val_dataset
-            if train is None:
-                train = StdlibCorpus("train", max_bytes=self.corpus_max_bytes)
-                val = StdlibCorpus("val", max_bytes=self.corpus_max_bytes) if val is None else val
+            train, val = self._datasets()
             self._sources["train"] = _Source(
                 train, "train", self.max_seq_len, self.truncate, lengths=self.train_lengths, runtime=runtime
             )
@@ -235,14 +346,16 @@ class HydraDataModule(pl.LightningDataModule):
                 self._sources["val"] = _Source(
                     val, "validation", self.max_seq_len, self.truncate, lengths=self.val_lengths, runtime=runtime
                 )
+        if "val" not in self._sources:
+            if stage == "validate":
+                raise ConfigError("there is no validation data: pass HydraDataModule(val_dataset=...)")
+            if self.trainer is not None and stage == "fit":
+                # no validation data, no validation loop (instead of an empty one that Lightning would warn about:
+                # "Total length of `list` across ranks is zero")
+                self.trainer.limit_val_batches = 0
         for source in self._sources.values():
-            longest = int(source.lengths.max())
-            if self.max_seq_len and longest > self.max_seq_len:
-                index = int(source.lengths.argmax())
-                raise ValueError(
-                    f"{source.name} sequence {index} has {longest} tokens, over max_seq_len={self.max_seq_len}; "
-                    "pass truncate=True to cut it (its tail will not be trained)"
-                )
+            source.vocab_size = vocab
+            longest = self.check_longest(source.name, source.lengths)
             runtime.check_fits(longest, source.name, self.global_batch_tokens)
 
     @override
@@ -257,7 +370,27 @@ class HydraDataModule(pl.LightningDataModule):
 
     @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return resolve(batch)
+        """The planned step; if planning or reading it failed on any rank, the same error on every rank.
+
+        A rank reads only the sequences it holds a shard of, so bad data (a token id outside the vocabulary, an item
+        shorter than its recorded length) may surface on some ranks only. The ranks agree with one ``all_sum`` of a
+        flag per step before the step's collectives, so every rank stops with the failing rank's message (a
+        :class:`~lightning_hydra.errors.ConfigError`, printed once by the command line) instead of the others waiting
+        in a collective for a rank that has gone.
+        """
+        if not isinstance(batch, PendingStep):
+            return batch
+        error = batch.future.exception()  # waits for the plan
+        runtime = self._runtime()
+        layout = getattr(runtime, "layout", None)  # with pipeline stages every stage plans the batch: the world agrees
+        if (layout.world_size if layout is not None else runtime.world_size) > 1:
+            flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=runtime.device)
+            if float(runtime.all_sum(flag).item()) > 0:
+                mine = None if error is None else (str(error) if isinstance(error, ValueError) else repr(error))
+                found = [(r, m) for r, m in enumerate(runtime.all_gather_object(mine)) if m is not None]
+                ranks = ", ".join(str(r) for r, _ in found)
+                raise ConfigError(f"{found[0][1]} (found by rank{'s' * (len(found) > 1)} {ranks})") from error
+        return batch.result()
 
     # ------------------------------------------------------------------ planning
     def _runtime(self) -> HydraRuntime:
@@ -291,12 +424,12 @@ class HydraDataModule(pl.LightningDataModule):
         """Plan one global batch and pack this rank's share of it (safe in a planning thread: no collectives).
 
         Args:
-            source: The split's dataset and lengths.
-            epoch: The epoch.
-            step: The step inside the epoch.
-            indices: Dataset indices of the global batch.
-            cost: The cost model to plan with (default: the runtime's current one).
-            cost_version: Its version (recorded in the step).
+                source: The split's dataset and lengths.
+                epoch: The epoch.
+                step: The step inside the epoch.
+                indices: Dataset indices of the global batch.
+                cost: The cost model to plan with (default: the runtime's current one).
+                cost_version: Its version (recorded in the step).
         """
         runtime = self._runtime()
         cost = cost or runtime.cost_model

@@ -10,9 +10,36 @@ closed form ``(P - 1) / (M + P - 1)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
-__all__ = ["one_f_one_b_order", "pipeline_bubble", "pipeline_makespan"]
+import numpy as np
+
+from lightning_hydra.errors import check_int, check_number
+
+__all__ = ["min_pipeline_bubble", "one_f_one_b_order", "pipeline_bubble", "pipeline_makespan"]
+
+
+def _times(times: Iterable[float]) -> list[float]:
+    """Microbatch times as a list of floats (lists, tuples, numpy arrays, tensors), checked."""
+    try:
+        values = np.asarray(times if not isinstance(times, (set, frozenset)) else sorted(times), dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"microbatch times must be numbers, got {times!r}") from exc
+    if values.ndim != 1:
+        raise ValueError(f"microbatch times must be one value per microbatch (1-D), got shape {values.shape}")
+    if values.size == 0:
+        raise ValueError("pipeline_bubble needs at least one microbatch")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError(f"microbatch times must be finite and non-negative, got {values.tolist()}")
+    return values.tolist()
+
+
+def min_pipeline_bubble(microbatches: int, stages: int) -> float:
+    """The smallest 1F1B bubble of ``stages`` stages over ``microbatches`` microbatches: ``(P - 1) / (M + P - 1)``,
+    reached when every microbatch takes the same time (what a measured ``bubble/pp`` is compared with)."""
+    m = check_int("microbatches", microbatches)
+    p = check_int("stages", stages)
+    return (p - 1) / (m + p - 1)
 
 
 def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -29,31 +56,30 @@ def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[
     return order
 
 
-def pipeline_bubble(times: Sequence[float], stages: int, backward_ratio: float = 2.0) -> float:
+def pipeline_bubble(times: Iterable[float], stages: int, backward_ratio: float = 2.0) -> float:
     """Projected 1F1B bubble of ``stages`` pipeline stages for per-microbatch times ``times``.
 
     Args:
-        times: Time of every microbatch (for example ``max_r t[m, r]``), forward plus backward, whole model.
+        times: Time of every microbatch (for example ``max_r t[m, r]``), forward plus backward, whole model: a list,
+            tuple, numpy array or 1-D tensor.
         stages: Pipeline depth ``P``.
         backward_ratio: Backward time over forward time.
 
     Returns:
         The share of stage-time spent idle, in ``[0, 1)``.
     """
+    times = _times(times)
     makespan = pipeline_makespan(times, stages, backward_ratio)
     useful = sum(times) / stages
     return 0.0 if makespan == 0 else 1.0 - useful / makespan
 
 
-def pipeline_makespan(times: Sequence[float], stages: int, backward_ratio: float = 2.0) -> float:
+def pipeline_makespan(times: Iterable[float], stages: int, backward_ratio: float = 2.0) -> float:
     """Duration of one 1F1B pipeline flush of ``stages`` stages for whole-model microbatch times ``times``
     (each stage runs ``times[m] / stages``); see :func:`pipeline_bubble` for the arguments."""
-    if stages < 1:
-        raise ValueError(f"stages must be positive, got {stages}")
-    if not times:
-        raise ValueError("pipeline_bubble needs at least one microbatch")
-    if any(t < 0 for t in times):
-        raise ValueError("microbatch times must be non-negative")
+    stages = check_int("stages", stages, high=1 << 16)
+    check_number("backward_ratio", backward_ratio, low=0.0, low_open=True)
+    times = _times(times)
     m_count = len(times)
     fwd = [t / stages / (1 + backward_ratio) for t in times]
     bwd = [t / stages * backward_ratio / (1 + backward_ratio) for t in times]

@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_hydra.errors import check_bool, check_choice, check_int
+from lightning_hydra.metrics.bubbles import min_pipeline_bubble
 from lightning_hydra.metrics.loads import step_metrics
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.planner.calibration import FITTED
@@ -47,33 +49,34 @@ class BubbleMonitor(Callback):
         dashboard: bool = False,
         prog_bar: bool = True,
     ) -> None:
-        """Args:
-        pipeline_stages: Pipeline depth ``P`` of the projected ``bubble/pp``.
-        step_time: Step time ``S`` of ``bubble/dp``: the measured wall time (``"wall"``), the replayed critical
-            path of the measured busy times (``"replay"``), or ``"auto"``: replay when the host runs more ranks
-            than it has cores (CPU runs), where wall time measures the operating system's time slicing.
-        timeline_every_n_steps: Keep the full rank x microbatch measurements (timeline) every this many steps.
-        records: Append every step to ``hydra_steps.jsonl`` in the first logger's directory (global rank 0; nothing
-            is written without a logger).
-        dashboard: Render the HTML dashboard into the log directory at the end of training (global rank 0).
-        prog_bar: Show tokens/s and the DP bubble in the progress bar.
+        """Configure what is logged each step.
+
+        Args:
+            pipeline_stages: Pipeline depth ``P`` of the projected ``bubble/pp``.
+            step_time: Step time ``S`` of ``bubble/dp``: the measured wall time (``"wall"``), the replayed critical
+                path of the measured busy times (``"replay"``), or ``"auto"``: replay when the host runs more ranks
+                than it has cores (CPU runs), where wall time measures the operating system's time slicing.
+            timeline_every_n_steps: Keep the full rank x microbatch measurements (timeline) every this many steps.
+            records: Append every step to ``hydra_steps.jsonl`` in the first logger's directory (global rank 0; nothing
+                is written without a logger).
+            dashboard: Render the HTML dashboard into the log directory at the end of training (global rank 0).
+            prog_bar: Show tokens/s and the DP bubble in the progress bar.
         """
-        if pipeline_stages < 1:
-            raise ValueError(f"pipeline_stages must be positive, got {pipeline_stages}")
-        if step_time not in ("auto", "wall", "replay"):
-            raise ValueError(f"step_time must be auto, wall or replay, got {step_time!r}")
-        self.pipeline_stages = pipeline_stages
-        self.step_time = step_time
-        self.timeline_every_n_steps = max(1, timeline_every_n_steps)
-        self.records = records
-        self.dashboard = dashboard
-        self.prog_bar = prog_bar
+        self.pipeline_stages = check_int("pipeline_stages", pipeline_stages, high=1 << 16)
+        self.step_time = check_choice("step_time", step_time, ("auto", "wall", "replay"))
+        self.timeline_every_n_steps = check_int("timeline_every_n_steps", timeline_every_n_steps)
+        self.records = check_bool("records", records)
+        self.dashboard = check_bool("dashboard", dashboard)
+        self.prog_bar = check_bool("prog_bar", prog_bar)
         self.history: list[dict[str, float]] = []
         """The metrics of every step of this run (same on every rank)."""
         self.overhead_seconds = 0.0
         """Wall seconds of this callback's last step (its share of the measurement overhead)."""
         self.records_path: Path | None = None
         """Where the step records are written (global rank 0), once training started."""
+        self.resumed_from: Path | None = None
+        """The records file of the run this one resumed (from the checkpoint), if any."""
+        self._resume_step = 0
 
     # ------------------------------------------------------------------ helpers
     def _replay(self, trainer: pl.Trainer) -> bool:
@@ -113,16 +116,42 @@ class BubbleMonitor(Callback):
         for board in boards:
             board.experiment.add_figure("hydra/timeline", fig, global_step=record.step)
 
+    def throughput(self) -> float:
+        """Trained tokens per second over the steps so far (what the progress bar and the summary show)."""
+        seconds = sum(h["time/step_s"] for h in self.history)
+        tokens = sum(h["throughput/tokens_per_s"] * h["time/step_s"] for h in self.history)
+        return tokens / seconds if seconds > 0 else float("nan")
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"records_path": str(self.records_path.resolve()) if self.records_path is not None else None}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        path = state_dict.get("records_path")
+        self.resumed_from = Path(path) if path else None
+
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.history = []
+        self._resume_step = int(trainer.global_step)
         if not trainer.loggers:
             self.records_path = None  # no logger, no log directory: nothing is written
             return
         self.records_path = self.log_dir(trainer) / RECORDS_FILE  # on every rank: log_dir is a collective
-        if trainer.is_global_zero and self.records and self.records_path.exists() and trainer.global_step == 0:
+        if not (trainer.is_global_zero and self.records):
+            return
+        if self.records_path.exists() and trainer.global_step == 0:
             self.records_path.unlink()  # a fresh run in a reused directory; a resumed run appends
+        previous = self.resumed_from
+        if trainer.global_step and previous is not None and previous != self.records_path.resolve():
+            # a resumed run in a new log directory: its records start by naming the part they continue, so that
+            # the dashboard and `lightning-hydra report` join the parts into one run
+            self.records_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.records_path, "a") as f:
+                f.write(json.dumps({"resumed_from": str(previous), "step": int(trainer.global_step)}) + "\n")
 
     @override
     def on_train_batch_end(
@@ -133,6 +162,9 @@ class BubbleMonitor(Callback):
             return
         start = time.perf_counter()
         metrics = step_metrics(record, pipeline_stages=self.pipeline_stages, replay=self._replay(trainer))
+        working = int((record.busy.max(axis=1) > 0).sum())
+        if working and "bubble/pp_min" not in metrics:  # the projection's floor: every microbatch equally long
+            metrics["bubble/pp_min"] = min_pipeline_bubble(working, self.pipeline_stages)
         strategy = trainer.strategy
         measure = getattr(strategy, "measure_seconds", 0.0) + self.overhead_seconds
         metrics["monitor/overhead"] = measure / metrics["time/step_s"] if metrics["time/step_s"] > 0 else 0.0
@@ -141,13 +173,13 @@ class BubbleMonitor(Callback):
             for name in FITTED:
                 metrics[f"cost_model/{name}"] = float(getattr(cost, name))
         self.history.append(metrics)
+        shown = dict(metrics, **{"throughput/tokens_per_s": self.throughput()})  # the bar: over the run so far
         for name, value in metrics.items():
-            shown = self.prog_bar and name in _PROG_BAR
             pl_module.log(name, float(value), on_step=True, on_epoch=False, batch_size=1, prog_bar=False)
-            if shown:
+            if self.prog_bar and name in _PROG_BAR:
                 pl_module.log(
                     _PROG_BAR[name],
-                    float(value),
+                    float(shown[name]),
                     on_step=True,
                     on_epoch=False,
                     batch_size=1,
@@ -171,7 +203,8 @@ class BubbleMonitor(Callback):
             rank_zero_info(f"lightning-hydra: dashboard written to {out}")
 
     def summary(self, trainer: pl.Trainer | None = None) -> str:
-        """One line: tokens trained, median bubbles and balance, where the records are."""
+        """One line: tokens trained, median bubbles (the pipeline bubble beside its floor for the run's microbatch
+        count) and balance, tokens per second over the run (as the progress bar shows), where the records are."""
         if not self.history:
             return "lightning-hydra: no training step was measured"
 
@@ -185,9 +218,15 @@ class BubbleMonitor(Callback):
             if (self.records_path)
             else ""
         )
+        resumed = f" (resumed at step {self._resume_step})" if self._resume_step else ""
+        floor = median("bubble/pp_min")
+        staged = median("plan/pipeline_stages")  # a pipelined run measures its own depth
+        stages = int(staged) if np.isfinite(staged) else self.pipeline_stages
+        micro = round((stages - 1) / floor - (stages - 1)) if floor > 0 else None  # floor = (P-1)/(M+P-1)
+        floor_text = f" (minimum {floor:.3f} with {micro} microbatch{'es' * (micro > 1)})" if micro else ""
         return (
-            f"lightning-hydra: {len(self.history)} steps, {tokens:,.0f} tokens trained; median "
-            f"bubble/dp {median('bubble/dp'):.3f}, bubble/pp (P={self.pipeline_stages}) {median('bubble/pp'):.3f}, "
-            f"balance {median('balance/max_over_mean'):.3f}, {median('throughput/tokens_per_s'):,.0f} tokens/s"
+            f"lightning-hydra: {len(self.history)} steps{resumed}, {tokens:,.0f} tokens trained; median "
+            f"bubble/dp {median('bubble/dp'):.3f}, bubble/pp (P={stages}) {median('bubble/pp'):.3f}"
+            f"{floor_text}, balance {median('balance/max_over_mean'):.3f}; {self.throughput():,.0f} tokens/s"
             f"{where}"
         )

@@ -171,22 +171,24 @@ class DecoderLM(HydraModule):
         optimizer: str = "adamw",
         flops_per_second: float = 20e9,
     ) -> None:
-        """Args:
-        vocab_size: Vocabulary size (258: bytes plus PAD and EOS of the embedded corpus).
-        hidden_size: Model width.
-        num_layers: Transformer blocks.
-        num_heads: Query heads.
-        num_kv_heads: Key/value heads (GQA).
-        ffn_hidden_size: SwiGLU inner width (default ``8/3 * hidden`` rounded up to 64).
-        rope_theta: RoPE base.
-        norm_eps: RMSNorm epsilon.
-        init_std: Standard deviation of the weight initialisation.
-        lr: Learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: Linear warm-up steps.
-        max_grad_norm: Gradient clipping (``None``: off).
-        optimizer: ``"adamw"`` or ``"sgd"``.
-        flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
+        """Build the decoder.
+
+        Args:
+            vocab_size: Vocabulary size (258: bytes plus PAD and EOS of the embedded corpus).
+            hidden_size: Model width.
+            num_layers: Transformer blocks.
+            num_heads: Query heads.
+            num_kv_heads: Key/value heads (GQA).
+            ffn_hidden_size: SwiGLU inner width (default ``8/3 * hidden`` rounded up to 64).
+            rope_theta: RoPE base.
+            norm_eps: RMSNorm epsilon.
+            init_std: Standard deviation of the weight initialisation.
+            lr: Learning rate.
+            weight_decay: AdamW weight decay.
+            warmup_steps: Linear warm-up steps.
+            max_grad_norm: Gradient clipping (``None``: off).
+            optimizer: ``"adamw"`` or ``"sgd"``.
+            flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
         """
         super().__init__(
             lr=lr,

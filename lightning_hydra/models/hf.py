@@ -96,15 +96,17 @@ class HFCausalLM(HydraModule):
         optimizer: str = "adamw",
         flops_per_second: float = 20e9,
     ) -> None:
-        """Args:
-        model: A causal LM instance; or ``None`` to build one from ``config``.
-        config: A ``PretrainedConfig`` or a dict with ``model_type`` (for example ``{"model_type": "llama", ...}``).
-        lr: Learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: Linear warm-up steps.
-        max_grad_norm: Gradient clipping (``None``: off).
-        optimizer: ``"adamw"`` or ``"sgd"``.
-        flops_per_second: Achieved FLOP rate assumed by the default cost model.
+        """Wrap a Hugging Face causal language model.
+
+        Args:
+            model: A causal LM instance; or ``None`` to build one from ``config``.
+            config: A ``PretrainedConfig`` or a dict with ``model_type`` (for example ``{"model_type": "llama", ...}``).
+            lr: Learning rate.
+            weight_decay: AdamW weight decay.
+            warmup_steps: Linear warm-up steps.
+            max_grad_norm: Gradient clipping (``None``: off).
+            optimizer: ``"adamw"`` or ``"sgd"``.
+            flops_per_second: Achieved FLOP rate assumed by the default cost model.
         """
         super().__init__(
             lr=lr,

@@ -58,14 +58,16 @@ class HydraModule(pl.LightningModule):
         optimizer: str = "adamw",
         flops_per_second: float = 20e9,
     ) -> None:
-        """Args:
-        lr: Learning rate (after warm-up).
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: Linear learning-rate warm-up, in optimizer steps.
-        max_grad_norm: Clip the global gradient norm to this value (``None``: no clipping).
-        optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD: parameter updates are linear in the gradients).
-        flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
+        """Configure the optimizer and the default cost model.
+
+        Args:
+            lr: Learning rate (after warm-up).
+            weight_decay: AdamW weight decay.
+            betas: AdamW betas.
+            warmup_steps: Linear learning-rate warm-up, in optimizer steps.
+            max_grad_norm: Clip the global gradient norm to this value (``None``: no clipping).
+            optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD: parameter updates are linear in the gradients).
+            flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
         """
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")

@@ -20,6 +20,7 @@ _SUMMARY = (
     ("balance/max_over_mean", "balance max/mean", "{:.3f}"),
     ("bubble/dp", "DP bubble", "{:.1%}"),
     ("bubble/pp", "PP bubble (proj.)", "{:.1%}"),
+    ("bubble/pp_min", "PP bubble minimum", "{:.1%}"),
     ("throughput/tokens_per_s", "tokens/s", "{:,.0f}"),
     ("schedule/ms", "schedule ms", "{:.1f}"),
     ("cost_model/error", "cost-model error", "{:.1%}"),
@@ -41,11 +42,51 @@ def find_runs(paths: Sequence[str | Path]) -> list[Path]:
     return found
 
 
+SUMMARY_LEGEND = (
+    ("steps", "optimizer steps recorded"),
+    ("balance max/mean", "the busiest rank's busy time over the mean (1.0 is perfect)"),
+    ("DP bubble", "share of rank-time spent waiting in a step"),
+    (
+        "PP bubble (proj.)",
+        "the 1F1B bubble a pipeline of the configured depth P would have with these microbatch times",
+    ),
+    ("PP bubble minimum", "the same bubble if every microbatch took equally long: (P-1)/(M+P-1) for M microbatches"),
+    ("tokens/s", "trained tokens per wall second"),
+    ("schedule ms", "wall time of planning one global batch (in the data loader, ahead of the step)"),
+    ("cost-model error", "relative error of the planner's predicted microbatch times"),
+    ("CP comm ms", "time per rank inside context-parallel collectives, waits included"),
+    ("measuring overhead", "share of the step spent gathering measurements, calibrating and logging"),
+)
+"""What each column of :func:`summary_table` means (printed by ``lightning-hydra compare``, shown on the dashboard)."""
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def load_run(path: Path) -> tuple[str, list[dict[str, Any]]]:
-    """``(name, rows)`` of one records file; the name is the policy and the run directory."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
+    """``(name, rows)`` of one records file; the name is the policy and the run directory.
+
+    A resumed run's records start with ``{"resumed_from": <records file>, "step": k}``: the parts are joined (the
+    earlier part's steps before ``k``, then this part's), so a run interrupted and resumed reads as one. Where a
+    step was recorded twice (a part ran past its last checkpoint), the later record wins.
+    """
+    rows = _read_rows(path)
+    seen = {path.resolve()}
+    while rows and "resumed_from" in rows[0]:
+        head, rows = rows[0], rows[1:]
+        previous = Path(head["resumed_from"])
+        if previous.resolve() in seen or not previous.exists():
+            break  # a loop, or the earlier part was moved: show what is here
+        seen.add(previous.resolve())
+        rows = [r for r in _read_rows(previous) if r.get("step", 0) < head["step"]] + rows
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if "metrics" in row:
+            by_step[int(row["step"])] = row
+    if not by_step:
         raise ValueError(f"{path} holds no step")
+    rows = [by_step[k] for k in sorted(by_step)]
     policy = rows[0].get("policy", "run")
     return f"{policy} ({path.parent.name})", rows
 
@@ -128,8 +169,9 @@ def render_report(paths: Sequence[str | Path], out_dir: str | Path, *, steps: Se
 <h1>lightning-hydra dashboard</h1>
 <p class="note">{len(runs)} run(s). Medians over each run's steps. <b>DP bubble</b>: share of rank-time spent
 waiting in a step; <b>PP bubble</b>: the 1F1B bubble a pipeline of the configured depth would have with these
-microbatch times; <b>balance</b>: the busiest rank's busy time over the mean; <b>cost-model error</b>: relative
-error of the planner's predicted microbatch time.</p>
+microbatch times, beside its <b>minimum</b> for the same number of microbatches (every microbatch equally long:
+(P-1)/(M+P-1)), which no plan can beat; <b>balance</b>: the busiest rank's busy time over the mean;
+<b>cost-model error</b>: relative error of the planner's predicted microbatch time.</p>
 <table><tr>{head}</tr>{body}</table>
 {replay_note}
 <h2>Over training</h2><div class="grid">{"".join(_img(p) for p in series)}</div>

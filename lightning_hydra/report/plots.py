@@ -24,6 +24,9 @@ SERIES: tuple[tuple[str, str], ...] = (
 )
 """The time series of the dashboard: ``(metric, title)``."""
 
+_FLOORS = {"bubble/pp": "bubble/pp_min"}
+"""Metrics drawn with their floor (dashed): the pipeline bubble of equally long microbatches."""
+
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 
@@ -44,14 +47,23 @@ def series_figure(runs: dict[str, list[dict[str, Any]]], metric: str, title: str
             if value is not None and np.isfinite(value):
                 steps.append(row["step"])
                 values.append(value)
+        color = _COLORS[k % len(_COLORS)]
         if values:
             med = float(np.median(values))
-            ax.plot(steps, values, marker=".", color=_COLORS[k % len(_COLORS)], label=f"{name} (median {med:.3g})")
+            ax.plot(steps, values, marker=".", color=color, label=f"{name} (median {med:.3g})")
+        floor = [(row["step"], row["metrics"].get(_FLOORS[metric])) for row in rows if metric in _FLOORS]
+        floor = [(x, y) for x, y in floor if y is not None and np.isfinite(y)]
+        if floor:
+            xs, ys = zip(*floor, strict=True)
+            ax.plot(xs, ys, linestyle="--", color=color, alpha=0.6, label=f"{name}: minimum (equal microbatches)")
     ax.set_title(title, fontsize=11)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="#888")
     fig.tight_layout()
     return fig
 

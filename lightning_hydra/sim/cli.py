@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,18 @@ from lightning_hydra.sim.truth import ENGINES
 __all__ = ["main", "validate"]
 
 _REPORTED = ("tokens_per_s", "bubble_dp", "bubble_pp", "schedule_ms")
+
+TABLE_LEGEND = """columns (medians over the steps after the first, the closed loop's warm-up):
+  tokens/s      simulated trained tokens per second, planning overlapped with the previous step
+  uncalib.      the same with the planner's analytic cost model kept (no calibration); static and mcore plan
+                without the cost model, so theirs is the same as tokens/s
+  bubble_dp     share of rank-time spent waiting in a step (data-parallel bubble)
+  bubble_pp     pipeline bubble: measured on the simulated 1F1B schedule with pipeline parallelism, else projected
+                for the scenario's projected_stages
+  sched ms      wall time of planning one global batch on this machine (the real planner)
+  mem headroom  share of a GPU's memory left on the fullest rank (model state + activations of its tokens);
+                below 0 the plan would not fit"""
+"""What each column of the ``simulate`` table means."""
 
 
 def _measured(run_dir: Path) -> dict[str, Any]:
@@ -62,14 +76,48 @@ def validate(result: dict[str, Any], runs: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+def _positive(high: int) -> Any:
+    def parse(text: str) -> int:
+        value = int(text)
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: allowed 1..{high:,}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _simulate_with_progress(scenario: Any) -> dict[str, Any]:
+    """:func:`simulate`, one policy at a time, saying on stderr which one runs and that it still runs (the batches
+    depend on the scenario only, so running the policies apart gives the same results)."""
+    from lightning_hydra.console import progress
+
+    parts = []
+    for k, policy in enumerate(scenario.policies, 1):
+        label = (
+            f"lightning-hydra simulate: {policy} ({k}/{len(scenario.policies)}), {scenario.steps} steps on "
+            f"{scenario.job.gpus:,} GPUs"
+        )
+        with progress(label, every=15.0, stream=sys.stderr):
+            parts.append(simulate(dataclasses.replace(scenario, policies=[policy])))
+    result = parts[0]
+    for part in parts[1:]:
+        result["policies"].update(part["policies"])
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lightning-hydra simulate``."""
     parser = argparse.ArgumentParser(prog="lightning-hydra simulate", description=__doc__)
     parser.add_argument("--config", required=True, help="scenario recipe (recipes/sim-*.yaml)")
     parser.add_argument("--json", action="store_true", help="print per policy tokens_per_s, bubble_dp, ... as JSON")
-    parser.add_argument("--steps", type=int, default=None, help="override the number of global batches")
-    parser.add_argument("--gpus", type=int, default=None, help="override the job's GPU count (reduced runs)")
-    parser.add_argument("--policies", nargs="+", default=None)
+    parser.add_argument(
+        "--steps", type=_positive(10_000), default=None, help="override the number of global batches (1..10000)"
+    )
+    parser.add_argument(
+        "--gpus", type=_positive(16384), default=None, help="override the job's GPU count (reduced runs; 1..16384)"
+    )
+    parser.add_argument("--policies", nargs="+", default=None, choices=["static", "mcore", "hydra"])
     parser.add_argument("--no-calibrate", action="store_true", help="keep the analytic cost model")
     parser.add_argument("--engine", default=None, choices=sorted(ENGINES), help="CP engine the truth times")
     parser.add_argument("--validate", default=None, help="directory of recorded runs (runs/compare) to compare with")
@@ -87,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides["calibrate"] = False
     scenario = load_scenario(recipe_path(args.config), **overrides)
     start = time.perf_counter()
-    result = simulate(scenario)
+    result = _simulate_with_progress(scenario)
     result["simulated_in_s"] = time.perf_counter() - start
     policies = result["policies"]
     if "hydra" in policies:
@@ -110,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         uncal = s.get("tokens_per_s_uncalibrated", float("nan"))
         print(f"{policy:>8} {s['tokens_per_s']:>12,.0f} {uncal:>12,.0f} {s['bubble_dp']:>10.3f} "
               f"{s['bubble_pp']:>10.3f} {s['schedule_ms']:>9.1f} {s['memory_headroom']:>12.2f}")  # fmt: skip
+    print(TABLE_LEGEND)
     for key in ("hydra_over_mcore", "hydra_over_static"):
         if key in result:
             print(f"{key}: {result[key]:.3f}")

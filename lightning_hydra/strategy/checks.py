@@ -1,24 +1,58 @@
-"""Checks every rank runs identically: the pool's shape and the plan's digest."""
+"""Checks every rank runs identically: the pool's shape, heads against the Ulysses cap, the data against the pool
+(pure: callable before any process starts), and the plan's digest (a collective)."""
 
 from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_hydra.planner import DegreeRules, PlannerConfig
+from lightning_hydra.errors import ConfigError, check_bool
+from lightning_hydra.planner import CostModel, DegreeRules, PlannerConfig
+from lightning_hydra.planner.calibration import CostCalibrator
 
-__all__ = ["check_digests", "check_fits", "check_pool"]
+__all__ = ["check_arguments", "check_digests", "check_fits", "check_heads", "check_pool"]
+
+
+def check_arguments(*, cost: Any, calibrate: Any, calibration: Any, monitor: Any, timeout: Any) -> None:
+    """Type checks of ``HydraStrategy``'s object arguments (``TypeError`` saying what is expected)."""
+    from lightning_hydra.metrics.monitor import BubbleMonitor
+
+    if cost is not None and not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a lightning_hydra.CostModel or None, got {type(cost).__name__}")
+    check_bool("calibrate", calibrate)
+    if calibration is not None and not isinstance(calibration, CostCalibrator):
+        raise TypeError(f"calibration must be a CostCalibrator or None, got {type(calibration).__name__}")
+    if not isinstance(monitor, (bool, BubbleMonitor)):
+        raise TypeError(f"monitor must be True, False or a BubbleMonitor, got {monitor!r}")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
 
 
 def check_pool(world_size: int, ranks_per_node: int) -> None:
-    """Raise ``ValueError`` unless the pool is whole nodes, or a part of one node that divides it."""
+    """Raise :class:`~lightning_hydra.errors.ConfigError` unless the pool is whole nodes, or a part of one node that
+    divides it."""
     if world_size < 1 or ranks_per_node < 1:
-        raise ValueError(f"world size ({world_size}) and ranks_per_node ({ranks_per_node}) must be positive")
+        raise ConfigError(f"world size ({world_size}) and ranks_per_node ({ranks_per_node}) must be positive")
     if world_size >= ranks_per_node and world_size % ranks_per_node:
-        raise ValueError(f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}")
+        raise ConfigError(
+            f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}: set "
+            "HydraStrategy(ranks_per_node=...) to the ranks (GPUs) of one node, and run whole nodes"
+        )
     if world_size < ranks_per_node and ranks_per_node % world_size:
-        raise ValueError(
+        raise ConfigError(
             f"a world of {world_size} ranks smaller than a node must divide ranks_per_node={ranks_per_node}"
+        )
+
+
+def check_heads(num_heads: int | None, max_ulysses: int | None) -> None:
+    """Raise :class:`~lightning_hydra.errors.ConfigError` when a Ulysses cap cannot split the attention heads."""
+    if num_heads is not None and max_ulysses and num_heads % max_ulysses:
+        raise ConfigError(
+            f"{num_heads} attention heads cannot be split over ulysses_degree={max_ulysses}; use a divisor of "
+            f"{num_heads} or 'auto'"
         )
 
 
@@ -56,8 +90,9 @@ def check_fits(
     split: str,
     global_batch_tokens: int,
 ) -> None:
-    """Raise ``ValueError`` when a sequence of ``longest`` tokens cannot fit the pool at any degree, or a global batch
-    of ``global_batch_tokens`` cannot fit its microbatches (pure: callable before any process starts).
+    """Raise :class:`~lightning_hydra.errors.ConfigError` when a sequence of ``longest`` tokens cannot fit the pool at
+    any degree, or a global batch of ``global_batch_tokens`` cannot fit its microbatches (pure: callable before any
+    process starts).
 
     Args:
         config: The planner settings.
@@ -69,10 +104,10 @@ def check_fits(
     """
     pool = world_size * config.max_tokens_per_rank * config.num_microbatches
     if global_batch_tokens > pool:
-        raise ValueError(
-            f"global_batch_tokens={global_batch_tokens} exceeds what {config.num_microbatches} microbatches of "
-            f"{world_size} ranks x {config.max_tokens_per_rank} tokens hold ({pool}); raise num_microbatches or "
-            "max_tokens_per_rank"
+        raise ConfigError(
+            f"global_batch_tokens={global_batch_tokens} exceeds what {config.num_microbatches} "
+            f"microbatch{'es' if config.num_microbatches > 1 else ''} of {world_size} ranks x "
+            f"{config.max_tokens_per_rank} tokens hold ({pool}); raise num_microbatches or max_tokens_per_rank"
         )
     rules = DegreeRules(
         world_size=world_size,
@@ -82,7 +117,7 @@ def check_fits(
         max_ring=config.max_ring,
     )
     if rules.memory_min(longest, config.max_tokens_per_rank, fine=True) is None:
-        raise ValueError(
+        raise ConfigError(
             f"the {split} data holds a sequence of {longest} tokens, more than the pool can hold ({world_size} ranks "
             f"x {config.max_tokens_per_rank} tokens); raise max_tokens_per_rank, add ranks, or set "
             "HydraDataModule(max_seq_len=..., truncate=True)"

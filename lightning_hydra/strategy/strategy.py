@@ -25,7 +25,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -34,6 +33,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import nn
 from typing_extensions import override
 
+from lightning_hydra.console import adapt_console, quiet_known_noise
 from lightning_hydra.cp import CPContext, apply_cp, remove_cp
 from lightning_hydra.cp.kernels import KERNEL_NAMES
 from lightning_hydra.metrics.record import StepRecord
@@ -42,8 +42,10 @@ from lightning_hydra.planner import POLICIES, CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
 from lightning_hydra.planner.memory import MemoryBreakdown, memory_capacity, parse_bytes
 from lightning_hydra.strategy.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from lightning_hydra.strategy.checks import check_fits, check_pool
+from lightning_hydra.strategy.checks import check_arguments, check_fits, check_heads, check_pool
+from lightning_hydra.strategy.guard import RunGuard
 from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.prelaunch import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher
 from lightning_hydra.strategy.runtime import PoolRuntime, memory_shape, model_heads
 from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model
 
@@ -118,44 +120,46 @@ class HydraStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        """Args:
-        policy: ``"hydra"`` (load-driven), ``"mcore"`` (Megatron-Core Dynamic-CP) or ``"static"`` (fixed degree).
-        max_tokens_per_rank: Tokens one rank may hold in one microbatch (the memory limit), or ``"auto"``: what the
-            memory model (:mod:`lightning_hydra.planner.memory`) leaves of ``memory_budget`` (default: the device's
-            memory) after model state, communicators and a margin, divided by activation bytes per token; the
-            breakdown is printed at set-up. An explicit number always wins.
-        num_microbatches: Microbatches per optimizer step (gradient accumulation).
-        ranks_per_node: Ranks per node (Ulysses all-to-alls stay inside a node).
-        ulysses_degree: Cap on the Ulysses degree, or ``"auto"`` (the node size, within the heads).
-        max_ring: Cap on the ring degree (``None``: none).
-        cost: Cost model of the planner (``None``: from the model's shape, see ``HydraModule.cost_model``).
-        kernel: Attention kernel (one of :data:`lightning_hydra.cp.kernels.KERNEL_NAMES`; ``"auto"`` picks by
-            device and what is installed).
-        calibrate: Refit the cost model every step from the measured busy times of all ranks (closed loop); the
-            next plans use it, and checkpoints carry it.
-        calibration: Settings of the refit (window, ridge, guards); default ``CostCalibrator()``.
-        monitor: ``True`` adds a :class:`~lightning_hydra.BubbleMonitor` unless the trainer has one, a
-            ``BubbleMonitor`` instance is added as given, ``False`` adds none (measurements are still gathered).
-        sharding: ``"none"`` (a replica per rank), ``"zero2"``, ``"zero3"`` or ``"hsdp"``: FSDP2 over the pool
-            (see :mod:`lightning_hydra.strategy.sharding`). Under ``precision="bf16-mixed"`` FSDP computes in bf16
-            from float32 master weights and reduces gradients in float32.
-        activation_checkpointing: ``"none"`` or ``"selective"``: recompute norms and MLPs in backward, never the
-            CP attention (see :mod:`lightning_hydra.models.checkpointing`).
-        memory_budget: Bytes per rank for ``max_tokens_per_rank="auto"`` (a number or a string such as
-            ``"80GB"``); default the device's memory (CUDA) or the host's memory shared by its ranks (CPU).
-        pipeline_stages: Pipeline stages ``P``: the world is ``P`` stages x a pool of ``world / P`` ranks (stage
-            ``s`` = global ranks ``[s * pool, (s + 1) * pool)``), every stage plans the same global batch onto its
-            pool and runs our 1F1B schedule; see :mod:`lightning_hydra.strategy.pipeline`. The model must split
-            (``pipeline_stage``/``stage_forward``: DecoderLM and Llama-family HFCausalLM do).
-        accelerator: The accelerator (set by the Trainer).
-        parallel_devices: Devices of this node's ranks (set by the Trainer).
-        cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
-        checkpoint_io: How checkpoints are written.
-        precision_plugin: The precision plugin (set by the Trainer).
-        process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by accelerator).
-        timeout: Collective timeout.
-        start_method: How Lightning launches the processes (``"popen"``, ``"spawn"``, ``"fork"``,
-            ``"forkserver"``).
+        """Configure the pool, the planner, the CP engine, sharding, memory and pipeline stages.
+
+        Args:
+            policy: ``"hydra"`` (load-driven), ``"mcore"`` (Megatron-Core Dynamic-CP) or ``"static"`` (fixed degree).
+            max_tokens_per_rank: Tokens one rank may hold in one microbatch (the memory limit), or ``"auto"``: what the
+                memory model (:mod:`lightning_hydra.planner.memory`) leaves of ``memory_budget`` (default: the device's
+                memory) after model state, communicators and a margin, divided by activation bytes per token; the
+                breakdown is printed at set-up. An explicit number always wins.
+            num_microbatches: Microbatches per optimizer step (gradient accumulation).
+            ranks_per_node: Ranks per node (Ulysses all-to-alls stay inside a node).
+            ulysses_degree: Cap on the Ulysses degree, or ``"auto"`` (the node size, within the heads).
+            max_ring: Cap on the ring degree (``None``: none).
+            cost: Cost model of the planner (``None``: from the model's shape, see ``HydraModule.cost_model``).
+            kernel: Attention kernel (one of :data:`lightning_hydra.cp.kernels.KERNEL_NAMES`; ``"auto"`` picks by
+                device and what is installed).
+            calibrate: Refit the cost model every step from the measured busy times of all ranks (closed loop); the
+                next plans use it, and checkpoints carry it.
+            calibration: Settings of the refit (window, ridge, guards); default ``CostCalibrator()``.
+            monitor: ``True`` adds a :class:`~lightning_hydra.BubbleMonitor` unless the trainer has one, a
+                ``BubbleMonitor`` instance is added as given, ``False`` adds none (measurements are still gathered).
+            sharding: ``"none"`` (a replica per rank), ``"zero2"``, ``"zero3"`` or ``"hsdp"``: FSDP2 over the pool
+                (see :mod:`lightning_hydra.strategy.sharding`). Under ``precision="bf16-mixed"`` FSDP computes in bf16
+                from float32 master weights and reduces gradients in float32.
+            activation_checkpointing: ``"none"`` or ``"selective"``: recompute norms and MLPs in backward, never the
+                CP attention (see :mod:`lightning_hydra.models.checkpointing`).
+            memory_budget: Bytes per rank for ``max_tokens_per_rank="auto"`` (a number or a string such as
+                ``"80GB"``); default the device's memory (CUDA) or the host's memory shared by its ranks (CPU).
+            pipeline_stages: Pipeline stages ``P``: the world is ``P`` stages x a pool of ``world / P`` ranks (stage
+                ``s`` = global ranks ``[s * pool, (s + 1) * pool)``), every stage plans the same global batch onto its
+                pool and runs our 1F1B schedule; see :mod:`lightning_hydra.strategy.pipeline`. The model must split
+                (``pipeline_stage``/``stage_forward``: DecoderLM and Llama-family HFCausalLM do).
+            accelerator: The accelerator (set by the Trainer).
+            parallel_devices: Devices of this node's ranks (set by the Trainer).
+            cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
+            checkpoint_io: How checkpoints are written.
+            precision_plugin: The precision plugin (set by the Trainer).
+            process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by accelerator).
+            timeout: Collective timeout.
+            start_method: How Lightning launches the processes (``"popen"``, ``"spawn"``, ``"fork"``,
+                ``"forkserver"``).
 
         Raises:
             ValueError: An unknown name or an out-of-range number, with what is allowed.
@@ -177,6 +181,8 @@ class HydraStrategy(ParallelStrategy):
             _positive_int("max_ring", max_ring)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
+        check_arguments(cost=cost, calibrate=calibrate, calibration=calibration, monitor=monitor, timeout=timeout)
+        quiet_known_noise()
         if sharding not in SHARDING_MODES:
             raise ValueError(f"unknown sharding {sharding!r}; choose one of {list(SHARDING_MODES)}")
         check_checkpointing_mode(activation_checkpointing)
@@ -261,8 +267,10 @@ class HydraStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self._start_method == "popen":  # Lightning's launchers, with the pre-launch checks first
+            self._launcher = CheckedSubprocessLauncher(
+                self, self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
             self._launcher = _SpawnLauncher(self, start_method=self._start_method)
 
@@ -275,6 +283,7 @@ class HydraStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        quiet_known_noise()  # in every rank (spawned ranks do not inherit warning filters)
         configure_cuda_allocator(self.root_device)
         super().setup_environment()
         reset_seed()
@@ -508,13 +517,13 @@ class HydraStrategy(ParallelStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         self._wrapped = apply_cp(model, self.cp)
-        heads = model_heads(model)[0]
-        if heads is not None and self.planner_config.max_ulysses and heads % self.planner_config.max_ulysses:
-            raise ValueError(
-                f"{heads} attention heads cannot be split over ulysses_degree={self.planner_config.max_ulysses}"
-            )
+        check_heads(model_heads(model)[0], self.planner_config.max_ulysses)
         rank_zero_info(f"HydraStrategy: {self._wrapped} attention modules route through the CP engine")
         self._add_monitor(model)
+        trainer = getattr(model, "_trainer", None)
+        adapt_console(trainer)  # Lightning's progress bar and summary without v_num, "Epoch 0/-2", "FLOPs 0"
+        if trainer is not None and not any(isinstance(c, RunGuard) for c in trainer.callbacks):
+            trainer.callbacks.append(RunGuard())  # SIGTERM: checkpoint and stop together; no empty run folders
 
     def _add_monitor(self, model: pl.LightningModule) -> None:
         from lightning_hydra.metrics.monitor import BubbleMonitor
@@ -626,8 +635,9 @@ class HydraStrategy(ParallelStrategy):
         return checkpoint
 
 
-class _SpawnLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher, returning the full (unsharded) weights of a sharded model to the main process."""
+class _SpawnLauncher(CheckedMultiProcessingLauncher):
+    """Lightning's spawn launcher (with the pre-launch checks), returning the full (unsharded) weights of a sharded
+    model to the main process."""
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:

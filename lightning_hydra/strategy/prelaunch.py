@@ -1,0 +1,117 @@
+"""Checks run once, in the launching process, before any rank starts.
+
+Lightning's launchers start the ranks inside ``trainer.fit``; the strategy, the model and the data module already
+exist in the launching process then. :func:`preflight` checks there what needs no process group: the pool's shape
+(each pipeline stage's pool) against the node size, the attention heads against the Ulysses cap, ``pad_id``
+against the model's vocabulary, and, for data whose lengths are known without reading it (given lengths,
+``dataset.lengths()``, the embedded corpus), ``max_seq_len``, the longest sequence and the global batch against the
+pool (unless ``max_tokens_per_rank="auto"``, resolved at set-up). A bad setting is then one error in one process,
+before any rank has started or any log directory is created.
+
+The launchers below are Lightning's own, running :func:`preflight` first. Where processes are created outside
+(``torchrun``, SLURM), every rank runs the same checks on the same input and raises the same
+:class:`~lightning_hydra.errors.ConfigError`, which the ``lightning-hydra`` command prints once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
+from lightning_hydra.errors import ConfigError
+from lightning_hydra.strategy.checks import check_fits, check_heads, check_pool
+from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.runtime import model_heads
+
+if TYPE_CHECKING:
+    from lightning_hydra.strategy.strategy import HydraStrategy
+
+__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "preflight"]
+
+log = logging.getLogger(__name__)
+
+
+def preflight(
+    strategy: HydraStrategy,
+    model: pl.LightningModule | None,
+    datamodule: pl.LightningDataModule | None,
+    stage: TrainerFn | str | None = TrainerFn.FITTING,
+) -> None:
+    """Check the run before launch; raise :class:`~lightning_hydra.errors.ConfigError` (or ``ValueError``) with
+    what to change.
+
+    Args:
+        strategy: The strategy (its planner settings, nodes and devices).
+        model: The module to train (``None``: model checks skipped).
+        datamodule: The data module (checked when it is a :class:`~lightning_hydra.HydraDataModule`).
+        stage: ``"fit"`` checks the training split and, if any, the validation split; ``"validate"`` only the
+            latter; other stages check the pool and the model only.
+    """
+    config = strategy.planner_config
+    world = max(1, strategy.num_nodes) * max(1, strategy.num_processes)
+    try:  # with pipeline stages, each stage's pool plans the batch
+        pool = PipelineLayout.of_world(world, getattr(strategy, "pipeline_stages", 1)).pool
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    check_pool(pool, config.ranks_per_node)
+    heads = model_heads(model)[0] if model is not None else None
+    check_heads(heads, config.max_ulysses)
+    if not isinstance(datamodule, HydraDataModule):
+        return
+    datamodule.check_vocabulary(model_vocab_size(model) if model is not None else None)
+    splits = {"fit": ("train", "validation"), "validate": ("validation",)}.get(str(getattr(stage, "value", stage)), ())
+    if not splits:
+        return
+    for split, lengths in datamodule.lengths_before_setup().items():
+        if split not in splits:
+            continue
+        longest = datamodule.check_longest(split, lengths)
+        if getattr(strategy, "auto_capacity", False):
+            continue  # max_tokens_per_rank="auto" is resolved from the memory model at set-up, checked there
+        check_fits(
+            config, pool, heads, longest=longest, split=split, global_batch_tokens=datamodule.global_batch_tokens
+        )
+
+
+def _run_preflight(strategy: HydraStrategy, trainer: pl.Trainer | None, args: tuple[Any, ...]) -> None:
+    """:func:`preflight` with the model and data module of a ``Trainer.fit/validate/...`` launch."""
+    if trainer is None:
+        return
+    model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
+    datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
+    preflight(strategy, model, datamodule, trainer.state.fn)
+
+
+class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher (``start_method="popen"``), running :func:`preflight` before the ranks start."""
+
+    def __init__(self, strategy: HydraStrategy, *args: Any) -> None:
+        """Build the launcher.
+
+        Args:
+            strategy: The strategy whose run is checked.
+            *args: Arguments of ``_SubprocessScriptLauncher`` (cluster environment, processes, nodes).
+        """
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        _run_preflight(self._strategy, trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``), running :func:`preflight` first."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        _run_preflight(self._strategy, trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
