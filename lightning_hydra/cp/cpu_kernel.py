@@ -1,0 +1,208 @@
+"""The CPU attention kernel: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its backward,
+called once per *run* of sequences of equal chunk size.
+
+The CPU op is not variable-length: it takes ``[batch, heads, length, dim]`` (any strides). One call per sequence
+costs a fixed overhead per call; gathering sequences of similar length into padded batches costs copies of every
+operand and output (measured on the development machine: the copies cost more than the calls they save for
+documents of 32 tokens or more, see ``python -m lightning_hydra.bench.cp --short-docs``). The zigzag shard lists
+sequences by decreasing chunk size (:mod:`lightning_hydra.cp.layout`), so the sequences of equal chunk size ``C``
+form a run of adjacent ``2 C``-row blocks on every member and at every ring step: the run is one batch of the op,
+read and written through strided views, without any gather or scatter:
+
+- causal diagonal: ``[n, 2C]`` queries against ``[n, 2C]`` keys with the op's causal mask (top-left aligned; the
+  padding is a suffix of each sequence, which no real query sees);
+- ring steps off the diagonal: ``[n, 2C]`` queries against the first halves ``[n, :C]`` of the keys, or the second
+  halves ``[n, C:]`` of the queries against ``[n, 2C]`` keys (no mask);
+- without the causal mask, a key-padding mask hides each sequence's padded keys; a sequence with no key in the
+  block gets ``lse = -inf`` (the op returns 0 there).
+
+Grouped-query attention is passed to the op natively (fewer KV heads).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lightning_hydra.cp.blocks import Accumulator, Segments, merge_rows, write_rows
+
+__all__ = ["CpuKernel", "CpuRun", "CpuStep"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass
+class CpuRun:
+    """One call of the op: ``n`` adjacent sequences of ``block`` local rows each."""
+
+    start: int
+    """First local row of the run."""
+    n: int
+    """Sequences in the run."""
+    block: int
+    """Rows of each sequence (``2 C``)."""
+    q_off: int
+    """First query row inside each block."""
+    lq: int
+    """Query rows of each sequence."""
+    lk: int
+    """Key rows of each sequence (a prefix of the block)."""
+    causal: bool
+    """``is_causal`` of the op."""
+    allowed: np.ndarray | None = None
+    """``[n, 1, 1, lk]`` key-padding mask (``None``: every key visible)."""
+    dead: torch.Tensor | None = None
+    """``[n, 1, 1]`` sequences without keys at this step (``None``: none)."""
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask in ``dtype`` (built once per dtype)."""
+        if self.allowed is None:
+            return None
+        m = self.masks.get(dtype)
+        if m is None:
+            allowed = torch.from_numpy(self.allowed)
+            m = self.masks[dtype] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        return m
+
+    def view(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """``[n, heads, hi - lo, ...]`` view of rows ``lo:hi`` of every block of a token-major tensor."""
+        blocks = x[self.start : self.start + self.n * self.block].view(self.n, self.block, *x.shape[1:])
+        return blocks[:, lo:hi].transpose(1, 2)
+
+
+@dataclass
+class CpuStep:
+    """The runs of one ring step."""
+
+    runs: list[CpuRun]
+    covers_q: bool
+    """The runs write every query row (accumulators need no initialisation)."""
+    covers_k: bool
+    """The runs write every key row."""
+
+
+def _runs(seg: Segments) -> CpuStep:
+    block = seg.block
+    edges = np.flatnonzero(np.r_[True, block[1:] != block[:-1], True]) if block.size else np.zeros(1, np.int64)
+    runs, q_cover, k_cover = [], 0, 0
+    for a, b in itertools.pairwise(edges.tolist()):
+        if block[a] == 0:
+            continue  # empty sequences: no rows
+        k_len = seg.k_len[a:b]
+        lk = int(k_len.max())
+        if lk == 0:
+            continue  # nothing to see in this block: rows stay at out 0, lse -inf
+        lq = int(seg.q_len[a])
+        q_off = int(seg.q_start[a] - seg.start[a])
+        run = CpuRun(int(seg.start[a]), b - a, int(block[a]), q_off, lq, lk, seg.causal)
+        if not seg.causal and bool((k_len < lk).any()):
+            run.allowed = (np.arange(lk)[None, :] < k_len[:, None])[:, None, None, :]
+            if bool((k_len == 0).any()):
+                run.dead = torch.from_numpy(k_len == 0)[:, None, None]
+        runs.append(run)
+        q_cover += run.n * lq
+        k_cover += int(k_len.sum())
+    return CpuStep(runs, q_cover == seg.q_rows, k_cover == seg.k_rows)
+
+
+class CpuKernel:
+    """The CPU flash-attention op, one call per run of equal-sized sequences (see the module docstring)."""
+
+    name = "cpu"
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ``TypeError`` unless the CPU op supports ``dtype``."""
+        if dtype not in _DTYPES:
+            raise TypeError(f"the cpu attention kernel takes {_DTYPES}, not {dtype}")
+
+    def prepare(self, seg: Segments, *, heads: int, kv_heads: int, device: torch.device) -> CpuStep:
+        """The runs of one step (host bookkeeping only: the op reads views)."""
+        return _runs(seg)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        step: CpuStep,
+        scale: float,
+        acc: Accumulator,
+        first: bool,
+    ) -> None:
+        """Attention of the step's runs; the first step writes ``acc``, later ones merge into it."""
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out3, lse2 = acc.out3(), acc.lse2()
+        for run in step.runs:
+            hi = run.q_off + run.lq
+            o, lo = op(
+                run.view(q, run.q_off, hi),
+                run.view(k, 0, run.lk),
+                run.view(v, 0, run.lk),
+                0.0,
+                run.causal,
+                attn_mask=run.mask(q.dtype),
+                scale=scale,
+            )
+            if run.dead is not None:
+                lo.masked_fill_(run.dead, float("-inf"))  # the op returns lse 0 for a row without keys
+            dst_o, dst_l = run.view(out3, run.q_off, hi), run.view(lse2, run.q_off, hi)
+            if first:
+                dst_o.copy_(o)
+                dst_l.copy_(lo)
+            else:
+                merge_rows(dst_o, dst_l, None, o, lo)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        step: CpuStep,
+        scale: float,
+        dq: torch.Tensor,
+        dq_add: bool,
+    ) -> Callable[[torch.Tensor, torch.Tensor, bool], None]:
+        """Gradients of the step's runs given the *final* ``out`` and flat ``lse`` (no ``-inf`` in it).
+
+        ``dq`` (flat, with sink) receives the query gradients now; the returned function writes (or adds) the key
+        and value gradients into flat targets ``[k_rows * kv_heads + 1, dim]`` later.
+        """
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        t, heads, dim = q.shape
+        lse2 = lse[: t * heads].view(t, heads)
+        dq3 = dq[: t * heads].view(t, heads, dim)
+        parts = []
+        for run in step.runs:
+            hi = run.q_off + run.lq
+            gq, gk, gv = op(
+                run.view(dout, run.q_off, hi),
+                run.view(q, run.q_off, hi),
+                run.view(k, 0, run.lk),
+                run.view(v, 0, run.lk),
+                run.view(out, run.q_off, hi),
+                run.view(lse2, run.q_off, hi),
+                0.0,
+                run.causal,
+                attn_mask=run.mask(q.dtype),
+                scale=scale,
+            )
+            write_rows(run.view(dq3, run.q_off, hi), None, gq, add=dq_add)
+            parts.append((run, gk, gv))
+        tk, kv_heads = k.shape[0], k.shape[1]
+
+        def apply(dk: torch.Tensor, dv: torch.Tensor, add: bool) -> None:
+            dk3 = dk[: tk * kv_heads].view(tk, kv_heads, dim)
+            dv3 = dv[: tk * kv_heads].view(tk, kv_heads, dim)
+            for run, gk, gv in parts:
+                write_rows(run.view(dk3, 0, run.lk), None, gk, add)
+                write_rows(run.view(dv3, 0, run.lk), None, gv, add)
+
+        return apply
