@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,9 +18,24 @@ from lightning_hydra.cp.layout import ZigzagMeta, zigzag_source_index
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
 
 
-def make_dataset(seed: int = 0) -> list[torch.Tensor]:
+class CountingDataset(torch.utils.data.Dataset):
+    """A map-style dataset that counts how often each item is read (per process)."""
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        self.items = items
+        self.reads: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.reads[index] += 1
+        return self.items[index]
+
+
+def make_dataset(seed: int = 0) -> CountingDataset:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 250, (n,), generator=g) for n in LENGTHS]
+    return CountingDataset([torch.randint(0, 250, (n,), generator=g) for n in LENGTHS])
 
 
 def make_model(optimizer: str = "adamw") -> DecoderLM:
@@ -55,14 +71,25 @@ class Recorder(pl.Callback):
             for s in source[source >= 0].tolist():
                 doc = max(i for i, start in enumerate(mb.cu_seqlens[:-1]) if start <= s)
                 tokens.append([mb.seq_ids[doc], s - mb.cu_seqlens[doc]])
+        held = sorted({i for mb in batch.microbatches for i in mb.seq_ids})
         self.rows.append(
-            {"step": batch.step, "epoch": batch.epoch, "digest": batch.digest, "groups": groups, "tokens": tokens}
+            {
+                "step": batch.step,
+                "epoch": batch.epoch,
+                "digest": batch.digest,
+                "groups": groups,
+                "tokens": tokens,
+                "held": held,
+                "cost_version": batch.cost_version,
+            }
         )
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.rows[-1]["loss"] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
 
     def on_train_end(self, trainer, module) -> None:
+        reads = dict(trainer.datamodule.train_dataset.reads)
+        self.rows.append({"reads": {str(k): v for k, v in reads.items()}})
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
@@ -88,7 +115,7 @@ def _reference(tmp: Path, model: DecoderLM, steps: int | None = None, epochs: in
     dm = HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5)
     trainer = _trainer(1, ref_dir, max_steps=steps or -1, max_epochs=epochs)
     trainer.fit(model, dm)
-    return json.loads((ref_dir / "rank0.json").read_text()), model
+    return json.loads((ref_dir / "rank0.json").read_text())[:-1], model
 
 
 def _hydra_run(tmp: Path, model: DecoderLM, policy: str, steps: int | None = None, epochs: int = 1) -> list[list[dict]]:
@@ -111,7 +138,12 @@ def _hydra_run(tmp: Path, model: DecoderLM, policy: str, steps: int | None = Non
     return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+def _reads(rank_rows: list[dict]) -> tuple[list[dict], Counter]:
+    return rank_rows[:-1], Counter({int(k): v for k, v in rank_rows[-1]["reads"].items()})
+
+
 def _assert_same_training(ref_rows, ref_model, runs, model) -> None:
+    runs = [_reads(rank)[0] for rank in runs]
     assert len(ref_rows) == len(runs[0]) >= 3
     for r in range(4):
         for a, b in zip(ref_rows, runs[r], strict=True):
@@ -128,14 +160,22 @@ def test_four_ranks_train_exactly_like_one_process(tmp_path: Path) -> None:
     runs = _hydra_run(tmp_path, model, "hydra")
     _assert_same_training(ref_rows, ref_model, runs, model)
     # the plans used degrees 1, 2 and 4, with Ulysses > 1 and ring > 1
-    used = {tuple(g) for rank in runs for row in rank for g in row["groups"]}
+    used = {tuple(g) for rank in runs for row in rank[:-1] for g in row["groups"]}
     degrees = {d for d, _, _ in used}
     assert {1, 2, 4} <= degrees, used
     assert any(u > 1 for _, u, _ in used) and any(r > 1 for _, _, r in used), used
     # every non-pad token of the epoch was fed to the model exactly once, across all ranks
-    fed = sorted(tuple(t) for rank in runs for row in rank for t in row["tokens"])
+    fed = sorted(tuple(t) for rank in runs for row in rank[:-1] for t in row["tokens"])
     expected = sorted((d, p) for d, n in enumerate(LENGTHS) for p in range(n))
     assert fed == expected
+    # each rank read its share of the lengths scan once, then only the sequences of its own groups
+    for r, rank in enumerate(runs):
+        rows, reads = _reads(rank)
+        want = Counter(range(r, len(LENGTHS), 4))
+        for row in rows:
+            want.update(row["held"])
+        assert reads == want, r
+        assert all(row["cost_version"] == 0 for row in rows)  # no calibration: the analytic model throughout
 
 
 @pytest.mark.parametrize("policy", ["mcore", "static"])
@@ -171,6 +211,7 @@ def test_resume_continues_with_the_same_batches(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt" / "stop.ckpt")
     first = _resume_run(tmp_path, "first", max_steps=3, save_at=3)
     rest = _resume_run(tmp_path, "rest", max_steps=8, ckpt=ckpt)
+    full, first, rest = full[:-1], first[:-1], rest[:-1]
     assert [r["digest"] for r in first + rest] == [r["digest"] for r in full]
     assert [(r["epoch"], r["step"]) for r in first + rest] == [(r["epoch"], r["step"]) for r in full]
     for a, b in zip(first + rest, full, strict=True):

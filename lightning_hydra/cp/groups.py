@@ -1,34 +1,30 @@
-"""Process groups for dynamic CP: created collectively from plans, cached by rank tuple, reused forever.
+"""Process groups for dynamic CP: created once, collectively, cached by rank tuple, destroyed with their owner.
 
 Creating a process group is a collective over the whole world (every rank calls ``new_group`` in the same
-order) and costs sockets and memory, so :class:`GroupCache` creates each Ulysses block once, in one global order
-derived from the group records every rank holds, and steady-state training creates none. Ring traffic is
-point-to-point between global ranks and needs no group of its own.
+order) and costs sockets and memory (about 0.5 GB per NCCL communicator), so :class:`GroupCache` creates each
+Ulysses block once, in one global (sorted) order: up front for every aligned block a pool can use
+(:func:`aligned_blocks`), warmed up with one tiny collective, or on first need in the digest-checked step prologue.
+Steady-state training creates none; :meth:`GroupCache.destroy` releases them. Ring traffic is point-to-point
+between global ranks and needs no group of its own.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BufferPool", "CPGroup", "CommClock", "GroupCache", "GroupRecord"]
+from lightning_hydra.planner import Group
+
+__all__ = ["BufferPool", "CPGroup", "CommClock", "GroupCache", "aligned_blocks", "check_ascending"]
 
 log = logging.getLogger(__name__)
-
-
-class GroupRecord(Protocol):
-    """Anything with the three fields of :class:`lightning_hydra.planner.Group` that the engine needs."""
-
-    ranks: tuple[int, ...]
-    ulysses: int
-    ring: int
 
 
 class CommClock:
@@ -123,16 +119,36 @@ class CPGroup:
         return self.ranks[i :: self.ulysses]
 
 
+def check_ascending(ranks: Sequence[int]) -> tuple[int, ...]:
+    """``ranks`` as a tuple of ints; ``ValueError`` unless strictly ascending.
+
+    ``new_group`` numbers a group's members by ascending global rank, and an all-to-all sends part ``i`` to group
+    rank ``i``: a CP group listed in any other order would silently exchange the wrong parts.
+    """
+    out = tuple(int(r) for r in ranks)
+    if any(b <= a for a, b in itertools.pairwise(out)):
+        raise ValueError(f"CP group ranks must be strictly ascending, got {out}")
+    return out
+
+
 def _blocks(ranks: tuple[int, ...], ulysses: int) -> list[tuple[int, ...]]:
     return [ranks[s : s + ulysses] for s in range(0, len(ranks), ulysses)]
 
 
-class GroupCache:
-    """Creates and caches the communicators of CP groups.
+def aligned_blocks(world_size: int, ulysses_degrees: Iterable[int]) -> list[tuple[int, ...]]:
+    """Every Ulysses block a plan over ``world_size`` ranks can use: for each degree ``u > 1``, the contiguous
+    blocks ``[k*u, (k+1)*u)`` (planners align groups so that ``start % u == 0``). Sorted, the creation order."""
+    blocks = {
+        tuple(range(s, s + u)) for u in set(ulysses_degrees) if 1 < u <= world_size for s in range(0, world_size, u)
+    }
+    return sorted(b for b in blocks if b[-1] < world_size)
 
-    ``prepare`` must be called by every rank with the same group records (for example all groups of a plan);
-    it creates the missing Ulysses process groups in one global (sorted) order. ``get`` then returns handles
-    without creating anything.
+
+class GroupCache:
+    """Creates, caches and destroys the communicators of CP groups.
+
+    Every method that creates groups (:meth:`create`, :meth:`prepare`) is a collective: every rank must call it
+    with the same arguments, in the same order. :meth:`get` then returns handles without creating anything.
     """
 
     def __init__(self, backend: str | None = None) -> None:
@@ -141,47 +157,102 @@ class GroupCache:
         """
         self.backend = backend
         self._pgs: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._owned: list[dist.ProcessGroup] = []
         self.buffers = BufferPool()
         self.clock = CommClock()
         """Time spent in the collectives of every handle of this cache."""
         self.created = 0
         """Process groups created so far by this cache."""
+        self.destroyed = 0
+        """Process groups this cache has destroyed."""
+        self.setup_seconds = 0.0
+        """Wall seconds spent creating and warming up groups."""
 
     def __len__(self) -> int:
         """Number of communicators held (one per distinct Ulysses block)."""
         return len(self._pgs)
 
-    def prepare(self, groups: Iterable[GroupRecord]) -> int:
-        """Create, collectively and in sorted order, every Ulysses block of ``groups`` not yet cached.
+    def member_of(self, rank: int) -> list[tuple[int, ...]]:
+        """The held blocks ``rank`` belongs to (the communicators that cost it memory)."""
+        return [b for b in self._pgs if rank in b]
+
+    def create(self, blocks: Iterable[Sequence[int]]) -> int:
+        """Create, collectively and in sorted order, every block of ``blocks`` not yet held.
 
         Returns:
-            How many process groups were created by this call (0 in steady state).
+            How many process groups this call created.
         """
-        needed = sorted({b for g in groups if g.ulysses > 1 for b in _blocks(tuple(g.ranks), g.ulysses)})
-        made = 0
+        start = time.perf_counter()
+        needed = sorted({check_ascending(b) for b in blocks if len(b) > 1})
         world = dist.get_world_size() if dist.is_initialized() else 1
+        made = 0
         for block in needed:
             if block in self._pgs:
                 continue
+            if block[-1] >= world:
+                raise ValueError(f"CP group {block} names a rank outside a world of {world}")
             if len(block) == world:
                 self._pgs[block] = dist.group.WORLD
             else:
-                self._pgs[block] = dist.new_group(list(block), backend=self.backend)
+                pg = dist.new_group(list(block), backend=self.backend)
+                self._pgs[block] = pg
+                if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
+                    self._owned.append(pg)
                 made += 1
         if made:
             self.created += made
             log.debug("GroupCache created %d process groups (%d held)", made, len(self._pgs))
+        self.setup_seconds += time.perf_counter() - start
         return made
 
-    def get(self, ranks: tuple[int, ...] | list[int], ulysses: int, ring: int) -> CPGroup:
-        """The handle of a prepared group; ``KeyError`` if one of its Ulysses blocks was never prepared."""
-        ranks = tuple(int(r) for r in ranks)
-        if ulysses < 1 or ring < 1 or ulysses * ring != len(ranks):
+    def prepare(self, groups: Iterable[Group]) -> int:
+        """Create (collectively) the Ulysses blocks of ``groups`` that are not held yet; 0 in steady state."""
+        return self.create(b for g in groups if g.ulysses > 1 for b in _blocks(check_ascending(g.ranks), g.ulysses))
+
+    def warm_up(self, rank: int, device: torch.device) -> int:
+        """Run one tiny all-reduce on every held block ``rank`` belongs to, in sorted order (NCCL creates its
+        communicators on first use: this moves that cost and its memory out of the first step).
+
+        Every rank must call it after the same :meth:`create` calls. Returns the number of blocks warmed up.
+        """
+        start = time.perf_counter()
+        count = 0
+        for block in sorted(self._pgs):
+            if rank not in block:
+                continue
+            probe = torch.ones(1, dtype=torch.float32, device=device)
+            dist.all_reduce(probe, group=self._pgs[block])
+            count += 1
+        self.setup_seconds += time.perf_counter() - start
+        return count
+
+    def get(self, group: Group | Sequence[int], ulysses: int | None = None, ring: int | None = None) -> CPGroup:
+        """The handle of a held group (a planner :class:`~lightning_hydra.planner.Group`, or its ranks, Ulysses and
+        ring degrees); ``KeyError`` if one of its Ulysses blocks was never created."""
+        if isinstance(group, Group):
+            ranks, ulysses, ring = group.ranks, group.ulysses, group.ring
+        else:
+            ranks = group
+        ranks = check_ascending(ranks)
+        if ulysses is None or ring is None or ulysses < 1 or ring < 1 or ulysses * ring != len(ranks):
             raise ValueError(f"group {ranks} has degree {len(ranks)}, not ulysses {ulysses} x ring {ring}")
         pgs: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         if ulysses > 1:
             for block in _blocks(ranks, ulysses):
                 if block not in self._pgs:
-                    raise KeyError(f"Ulysses block {block} was not prepared: call GroupCache.prepare on every rank")
+                    raise KeyError(f"Ulysses block {block} was not created: call GroupCache.prepare on every rank")
                 pgs[block] = self._pgs[block]
         return CPGroup(ranks, ulysses, ring, pgs, self.buffers, self.clock)
+
+    def destroy(self) -> int:
+        """Destroy every process group this cache created (not the world); returns how many. Collective on
+        NCCL: call it on every rank, while the default process group is alive."""
+        count = 0
+        if dist.is_initialized():
+            for pg in self._owned:
+                dist.destroy_process_group(pg)
+                count += 1
+        self._owned.clear()
+        self._pgs.clear()
+        self.destroyed += count
+        return count

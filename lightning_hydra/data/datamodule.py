@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -16,11 +17,14 @@ from typing_extensions import override
 
 from lightning_hydra.data.batching import global_batches
 from lightning_hydra.data.corpus import PAD_ID, StdlibCorpus
-from lightning_hydra.data.packing import StepBatch, pack_rank, trained_tokens
-from lightning_hydra.planner import Plan
+from lightning_hydra.data.packing import StepBatch, pack_rank, rank_sequences, trained_tokens
+from lightning_hydra.planner import CostModel, Group, Plan
 from lightning_hydra.planner.calibration import bin_features
 
-__all__ = ["HydraDataModule"]
+if TYPE_CHECKING:
+    from lightning_hydra.strategy.runtime import HydraRuntime
+
+__all__ = ["HydraDataModule", "PendingStep", "resolve", "scan_lengths"]
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +39,49 @@ def _as_tensor(item: Any) -> torch.Tensor:
     return t.long()
 
 
-class _Source:
-    """A map-style dataset with its lengths computed once (truncated when asked)."""
+def _item_length(item: Any) -> int:
+    if isinstance(item, dict):
+        item = item["input_ids"]
+    return len(item)
 
-    def __init__(self, dataset: Any, name: str, max_seq_len: int | None, truncate: bool) -> None:
+
+def scan_lengths(dataset: Any, rank: int = 0, world_size: int = 1) -> dict[int, int]:
+    """Lengths of the items ``rank, rank + world_size, ...`` of ``dataset``, each item read once."""
+    return {i: _item_length(dataset[i]) for i in range(rank, len(dataset), world_size)}
+
+
+class _Source:
+    """A map-style dataset with its lengths known once (given, from ``dataset.lengths()``, or scanned once with the
+    pool sharing the reads), truncated when asked."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        name: str,
+        max_seq_len: int | None,
+        truncate: bool,
+        *,
+        lengths: Sequence[int] | np.ndarray | None = None,
+        runtime: Any = None,
+    ) -> None:
         if dataset is None or len(dataset) == 0:
             raise ValueError(f"the {name} dataset is empty")
         self.dataset = dataset
         self.name = name
-        if hasattr(dataset, "lengths"):
-            lengths = np.asarray(dataset.lengths(), dtype=np.int64)
-        else:
-            lengths = np.asarray(
-                [
-                    len(dataset[i]) if not isinstance(dataset[i], dict) else len(dataset[i]["input_ids"])
-                    for i in range(len(dataset))
-                ],
-                dtype=np.int64,
-            )
+        if lengths is None and hasattr(dataset, "lengths"):
+            lengths = dataset.lengths()
+        if lengths is None:
+            rank, world = (runtime.global_rank, runtime.world_size) if runtime is not None else (0, 1)
+            found = scan_lengths(dataset, rank, world)
+            if world > 1:
+                merged: dict[int, int] = {}
+                for part in runtime.all_gather_object(found):
+                    merged.update(part)
+                found = merged
+            lengths = [found[i] for i in range(len(dataset))]
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.shape != (len(dataset),):
+            raise ValueError(f"{name} lengths hold {lengths.size} entries for a dataset of {len(dataset)} items")
         if (lengths <= 0).any():
             bad = int(np.flatnonzero(lengths <= 0)[0])
             raise ValueError(f"{name} dataset item {bad} is empty")
@@ -61,7 +90,32 @@ class _Source:
 
     def item(self, index: int) -> torch.Tensor:
         t = _as_tensor(self.dataset[index])
+        if self.max_seq_len is None and t.numel() != self.lengths[index]:
+            raise ValueError(
+                f"{self.name} item {index} has {t.numel()} tokens, but its recorded length is {self.lengths[index]}"
+            )
         return t[: self.max_seq_len] if self.max_seq_len else t
+
+
+class PendingStep:
+    """A step whose plan and packing run in a background thread; Lightning's batch transfer (:meth:`to`) waits
+    for it, so planning step ``k + 1`` overlaps step ``k``."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def result(self) -> StepBatch:
+        """The planned step (re-raises what planning raised)."""
+        return self.future.result()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StepBatch:
+        """The planned step, on ``device``."""
+        return self.result().to(device, non_blocking=non_blocking)
+
+
+def resolve(batch: StepBatch | PendingStep) -> StepBatch:
+    """The :class:`StepBatch` of a loader item (waiting for its plan if needed)."""
+    return batch.result() if isinstance(batch, PendingStep) else batch
 
 
 class _StepStream(IterableDataset):
@@ -71,7 +125,7 @@ class _StepStream(IterableDataset):
         self.dm = dm
         self.split = split
 
-    def __iter__(self) -> Iterator[StepBatch]:
+    def __iter__(self) -> Iterator[StepBatch | PendingStep]:
         dm = self.dm
         source = dm._sources[self.split]
         training = self.split == "train"
@@ -82,8 +136,20 @@ class _StepStream(IterableDataset):
         start = dm._take_resume_step(epoch) if training else 0
         if training:
             dm._epoch_started(epoch, start)
-        for step in range(start, len(batches)):
-            yield dm.make_step(source, epoch, step, batches[step])
+        runtime = dm._runtime()
+        if not dm.plan_ahead:
+            for step in range(start, len(batches)):
+                yield dm.make_step(source, epoch, step, batches[step], runtime.cost_model, runtime.cost_version)
+            return
+        # One planning thread: the item for step k is asked for (Lightning prefetches one) while step k - 1 trains;
+        # it is planned with the cost model of that moment, in the background, and waited for at batch transfer.
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hydra-plan")
+        try:
+            for step in range(start, len(batches)):
+                cost, version = runtime.cost_model, runtime.cost_version
+                yield PendingStep(executor.submit(dm.make_step, source, epoch, step, batches[step], cost, version))
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 class HydraDataModule(pl.LightningDataModule):
@@ -107,6 +173,9 @@ class HydraDataModule(pl.LightningDataModule):
         truncate: bool = False,
         pad_id: int = PAD_ID,
         corpus_max_bytes: int | None = 65536,
+        train_lengths: Sequence[int] | None = None,
+        val_lengths: Sequence[int] | None = None,
+        plan_ahead: bool = True,
     ) -> None:
         """Args:
         train_dataset: Map-style dataset of token-id sequences (1-D tensors, lists, numpy arrays, dicts with
@@ -119,6 +188,13 @@ class HydraDataModule(pl.LightningDataModule):
         truncate: Cut sequences longer than ``max_seq_len`` (their tail is not trained: an explicit, lossy choice).
         pad_id: Token id of padding.
         corpus_max_bytes: Length filter of the embedded corpus.
+        train_lengths: Token count of every training item, if known (an index): the dataset is then not scanned
+            at set-up. Otherwise ``train_dataset.lengths()`` if it has one, else every item is read once, the pool
+            sharing the reads.
+        val_lengths: The same for the validation dataset.
+        plan_ahead: Plan (and read) step ``k + 1`` in a background thread while step ``k`` trains, with the cost
+            model current when that step's item is requested (Lightning asks for it one step ahead, so step ``k``'s
+            plan uses the model refitted after step ``k - 2``). ``False``: plan on the loader's critical path.
         """
         super().__init__()
         if global_batch_tokens < 1:
@@ -134,6 +210,9 @@ class HydraDataModule(pl.LightningDataModule):
         self.truncate = truncate
         self.pad_id = pad_id
         self.corpus_max_bytes = corpus_max_bytes
+        self.train_lengths = train_lengths
+        self.val_lengths = val_lengths
+        self.plan_ahead = plan_ahead
         self._sources: dict[str, _Source] = {}
         self._resume: tuple[int, int] | None = None
         self._epoch_start_step = 0
@@ -142,15 +221,20 @@ class HydraDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ datasets
     @override
     def setup(self, stage: str) -> None:
+        runtime = self._runtime()
         if "train" not in self._sources:
             train = self.train_dataset
             val = self.val_dataset
             if train is None:
                 train = StdlibCorpus("train", max_bytes=self.corpus_max_bytes)
                 val = StdlibCorpus("val", max_bytes=self.corpus_max_bytes) if val is None else val
-            self._sources["train"] = _Source(train, "train", self.max_seq_len, self.truncate)
+            self._sources["train"] = _Source(
+                train, "train", self.max_seq_len, self.truncate, lengths=self.train_lengths, runtime=runtime
+            )
             if val is not None:
-                self._sources["val"] = _Source(val, "validation", self.max_seq_len, self.truncate)
+                self._sources["val"] = _Source(
+                    val, "validation", self.max_seq_len, self.truncate, lengths=self.val_lengths, runtime=runtime
+                )
         for source in self._sources.values():
             longest = int(source.lengths.max())
             if self.max_seq_len and longest > self.max_seq_len:
@@ -159,7 +243,7 @@ class HydraDataModule(pl.LightningDataModule):
                     f"{source.name} sequence {index} has {longest} tokens, over max_seq_len={self.max_seq_len}; "
                     "pass truncate=True to cut it (its tail will not be trained)"
                 )
-            self._planner().check_fits(longest, source.name, self.global_batch_tokens)
+            runtime.check_fits(longest, source.name, self.global_batch_tokens)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -171,45 +255,76 @@ class HydraDataModule(pl.LightningDataModule):
             return []
         return DataLoader(_StepStream(self, "val"), batch_size=None, num_workers=0)
 
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return resolve(batch)
+
     # ------------------------------------------------------------------ planning
-    def _planner(self) -> Any:
+    def _runtime(self) -> HydraRuntime:
         strategy = self.trainer.strategy if self.trainer is not None else None
-        from lightning_hydra.strategy import HydraStrategy, SingleProcessPlanner
+        from lightning_hydra.strategy import HydraStrategy
 
         if isinstance(strategy, HydraStrategy):
-            return strategy
+            if strategy.runtime is None:
+                raise RuntimeError("HydraStrategy has not set up its process group yet")
+            return strategy.runtime
         world = getattr(strategy, "world_size", 1) if strategy is not None else 1
         if world > 1:
             raise ValueError(f"HydraDataModule needs HydraStrategy to run on {world} processes")
         module = self.trainer.lightning_module if self.trainer is not None else None
-        return SingleProcessPlanner(module, self.global_batch_tokens)
+        runtime = getattr(module, "runtime", None)
+        if callable(runtime):
+            return runtime()
+        from lightning_hydra.strategy import LocalRuntime
 
-    def make_step(self, source: _Source, epoch: int, step: int, indices: np.ndarray) -> StepBatch:
-        """Plan one global batch and pack this rank's share of it."""
-        planner = self._planner()
+        return LocalRuntime(module)
+
+    def make_step(
+        self,
+        source: _Source,
+        epoch: int,
+        step: int,
+        indices: np.ndarray,
+        cost: CostModel | None = None,
+        cost_version: int = 0,
+    ) -> StepBatch:
+        """Plan one global batch and pack this rank's share of it (safe in a planning thread: no collectives).
+
+        Args:
+            source: The split's dataset and lengths.
+            epoch: The epoch.
+            step: The step inside the epoch.
+            indices: Dataset indices of the global batch.
+            cost: The cost model to plan with (default: the runtime's current one).
+            cost_version: Its version (recorded in the step).
+        """
+        runtime = self._runtime()
+        cost = cost or runtime.cost_model
         lengths = source.lengths[indices]
         start = time.perf_counter()
-        plan: Plan = planner.plan_batch(lengths, seed=self.seed + epoch * 1_000_003 + step)
+        plan: Plan = runtime.plan_batch(lengths, seed=self.seed + epoch * 1_000_003 + step, cost=cost)
         elapsed = 1e3 * (time.perf_counter() - start)
-        rank = planner.global_rank
-        sequences = [source.item(int(i)) for i in indices]
+        rank = runtime.global_rank
+        mine = rank_sequences(plan, rank)  # read only the sequences this rank holds a shard of
+        sequences = {i: source.item(int(indices[i])) for i in mine}
         micro = pack_rank(sequences, plan, rank, self.pad_id, dataset_ids=indices.tolist())
-        cost = planner.cost_model
         loads = plan.loads(cost)[:, rank]
         features = []
         for m in range(plan.num_microbatches):
             g = plan.group_of(m, rank)
             f = bin_features(cost, [plan.lengths[i] for i in g.seq_ids], g.ulysses, g.ring)
             features.append(tuple(float(x) for x in f))
-        groups = tuple(sorted({(g.ranks, g.ulysses, g.ring) for mb in plan.microbatches for g in mb}))
+        shapes = {(g.ranks, g.ulysses, g.ring) for mb in plan.microbatches for g in mb}
         return StepBatch(
             epoch=epoch,
             step=step,
             microbatches=micro,
             trained_tokens=trained_tokens(lengths),
             digest=plan.digest(),
-            groups=groups,
+            groups=tuple(Group(r, u, g) for r, u, g in sorted(shapes)),
+            world_size=plan.world_size,
             schedule_ms=elapsed,
+            cost_version=cost_version,
             predicted_loads=tuple(float(x) for x in loads),
             features=tuple(features),
         )

@@ -8,15 +8,16 @@ Padding tokens carry ``pad_id`` and ``ignore_index`` labels.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_source_index
-from lightning_hydra.planner import Plan
+from lightning_hydra.planner import Group, Plan
 
-__all__ = ["IGNORE_INDEX", "RankMicrobatch", "StepBatch", "pack_rank", "trained_tokens"]
+__all__ = ["IGNORE_INDEX", "RankMicrobatch", "StepBatch", "pack_rank", "rank_sequences", "trained_tokens"]
 
 IGNORE_INDEX = -100
 """Label of tokens that are not trained (the last token of a document, padding)."""
@@ -34,12 +35,8 @@ class RankMicrobatch:
     """``[t]`` position of every token inside its own document."""
     cu_seqlens: tuple[int, ...]
     """Unpadded boundaries of the group's whole bin."""
-    ranks: tuple[int, ...]
-    """Global ranks of the group."""
-    ulysses: int
-    """Ulysses degree of the group."""
-    ring: int
-    """Ring degree of the group."""
+    group: Group
+    """The plan's group this rank belongs to in this microbatch (its ``seq_ids`` index the global batch)."""
     seq_ids: tuple[int, ...]
     """Dataset indices of the bin's sequences, in bin order."""
 
@@ -47,6 +44,31 @@ class RankMicrobatch:
     def num_tokens(self) -> int:
         """Tokens (padding included) this rank holds."""
         return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RankMicrobatch:
+        """A copy with the tensors on ``device`` (Lightning's batch transfer calls this)."""
+        move = {"device": device, "non_blocking": non_blocking}
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.to(**move),
+            labels=self.labels.to(**move),
+            position_ids=self.position_ids.to(**move),
+        )
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Pool ranks of the group."""
+        return self.group.ranks
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses degree of the group."""
+        return self.group.ulysses
+
+    @property
+    def ring(self) -> int:
+        """Ring degree of the group."""
+        return self.group.ring
 
 
 @dataclass
@@ -63,10 +85,22 @@ class StepBatch:
     """Labelled tokens of the whole global batch (the loss normaliser)."""
     digest: str
     """Digest of the plan (every rank must hold the same)."""
-    groups: tuple[tuple[tuple[int, ...], int, int], ...] = field(default_factory=tuple)
-    """``(ranks, ulysses, ring)`` of every group of the plan (to prepare communicators collectively)."""
+    groups: tuple[Group, ...] = field(default_factory=tuple)
+    """Every distinct group shape of the plan (ranks, Ulysses and ring degrees; no sequences), sorted: what the
+    communicators must cover."""
+    world_size: int = 1
+    """Ranks of the pool the plan was made for."""
     schedule_ms: float = 0.0
     """Wall time of planning this global batch."""
+    cost_version: int = 0
+    """Which cost model planned it: the number of cost-model updates (refits) the runtime had made when planning
+    started (see :class:`~lightning_hydra.HydraDataModule`)."""
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StepBatch:
+        """A copy with every microbatch's tensors on ``device`` (Lightning's batch transfer calls this)."""
+        moved = [mb.to(device, non_blocking=non_blocking) for mb in self.microbatches]
+        return dataclasses.replace(self, microbatches=moved)
+
     predicted_loads: tuple[float, ...] = ()
     """The cost model's prediction of this rank's time in every microbatch."""
     features: tuple[tuple[float, ...], ...] = ()
@@ -80,7 +114,7 @@ def trained_tokens(lengths: Sequence[int]) -> int:
 
 
 def pack_rank(
-    sequences: Sequence[torch.Tensor],
+    sequences: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
     plan: Plan,
     rank: int,
     pad_id: int = 0,
@@ -89,19 +123,20 @@ def pack_rank(
     """This rank's microbatches of ``plan``.
 
     Args:
-        sequences: ``sequences[i]`` is the 1-D token tensor of batch sequence ``i``.
+        sequences: ``sequences[i]`` is the 1-D token tensor of batch sequence ``i``; only the sequences of this
+            rank's groups are read (:func:`rank_sequences`), so a mapping holding just those is enough.
         plan: The plan of the global batch.
         rank: This rank.
         pad_id: Token id of padding.
         dataset_ids: Dataset index of every batch sequence (recorded in ``seq_ids``); default the batch index.
     """
-    ids_of = list(range(len(sequences))) if dataset_ids is None else [int(i) for i in dataset_ids]
+    ids_of = list(range(len(plan.lengths))) if dataset_ids is None else [int(i) for i in dataset_ids]
     out = []
     for m in range(plan.num_microbatches):
         g = plan.group_of(m, rank)
         if not g.seq_ids:
             empty = torch.zeros(0, dtype=torch.long)
-            out.append(RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), g.ranks, g.ulysses, g.ring, ()))
+            out.append(RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), g, ()))
             continue
         docs = [sequences[i].long() for i in g.seq_ids]
         tokens = torch.cat(docs)
@@ -117,5 +152,10 @@ def pack_rank(
         ids[real] = tokens[source[real]]
         lab[real] = labels[source[real]]
         seq_ids = tuple(ids_of[i] for i in g.seq_ids)
-        out.append(RankMicrobatch(ids, lab, positions, tuple(cu), g.ranks, g.ulysses, g.ring, seq_ids))
+        out.append(RankMicrobatch(ids, lab, positions, tuple(cu), g, seq_ids))
     return out
+
+
+def rank_sequences(plan: Plan, rank: int) -> list[int]:
+    """Batch indices of the sequences ``rank`` holds a shard of in any microbatch (what it must read), sorted."""
+    return sorted({i for m in range(plan.num_microbatches) for i in plan.group_of(m, rank).seq_ids})

@@ -1,9 +1,9 @@
 """One optimizer step's measurements of every rank, gathered with torchmetrics.
 
-Each rank fills its own row of a :class:`StepGather` metric (``dist_reduce_fx="sum"`` over rows that are zero on
-every other rank), so ``compute()`` returns the same ``[N, K]`` table on every rank. :class:`StepRecord` unpacks it
-into arrays indexed ``[microbatch, rank]``; the metrics (:mod:`lightning_hydra.metrics.loads`), the calibration and
-the dashboard read nothing else.
+Each rank adds its own row to a :class:`StepGather` metric (``dist_reduce_fx="cat"``: rows are all-gathered,
+``N * K`` values per rank), so ``compute()`` returns the same ``[N, K]`` table on every rank. :class:`StepRecord`
+unpacks it into arrays indexed ``[microbatch, rank]``; the metrics (:mod:`lightning_hydra.metrics.loads`), the
+calibration and the dashboard read nothing else.
 """
 
 from __future__ import annotations
@@ -132,8 +132,10 @@ def rank_row(
 class StepGather(Metric):
     """Gathers one row per rank into an ``[N, K]`` table, identical on every rank after :meth:`compute`.
 
-    Each rank writes its row into a zero table; the distributed reduction (a sum, ``dist_reduce_fx="sum"``) fills
-    in the other ranks' rows. Call :meth:`reset` before every step.
+    The state is a list with this rank's row (``dist_reduce_fx="cat"``): the distributed sync all-gathers rows, so
+    each rank receives ``N * K`` values (not an ``N x N x K`` one-hot table). Rows come back in rank order. Move the
+    metric to the backend's device (``.to(root_device)``: nccl takes CUDA tensors only). Call :meth:`reset`
+    before every step.
     """
 
     full_state_update = False
@@ -146,15 +148,24 @@ class StepGather(Metric):
         """
         super().__init__(**kwargs)
         self.world_size = world_size
-        self.add_state("table", default=torch.zeros(world_size, row_size, dtype=torch.float64), dist_reduce_fx="sum")
+        self.row_size = row_size
+        self.add_state("rows", default=[], dist_reduce_fx="cat")
 
-    def update(self, rank: int, row: np.ndarray | torch.Tensor) -> None:  # type: ignore[override]
-        """Write this rank's row."""
-        self.table[rank] = torch.as_tensor(np.asarray(row), dtype=torch.float64)
+    def update(self, row: np.ndarray | torch.Tensor) -> None:  # type: ignore[override]
+        """Add this rank's row."""
+        values = torch.as_tensor(np.asarray(row, dtype=np.float64), dtype=torch.float64, device=self.device)
+        if values.numel() != self.row_size:
+            raise ValueError(f"a row has {values.numel()} values, expected {self.row_size}")
+        self.rows.append(values.reshape(1, -1))
 
     def compute(self) -> torch.Tensor:  # type: ignore[override]
-        """The table of every rank's row."""
-        return self.table
+        """The table of every rank's row, in rank order."""
+        rows = self.rows
+        table = torch.cat(rows, dim=0) if isinstance(rows, list) else rows
+        table = table.reshape(-1, self.row_size)
+        if table.shape[0] != self.world_size:
+            raise RuntimeError(f"gathered {table.shape[0]} rows from a pool of {self.world_size} ranks")
+        return table
 
 
 def step_row(batch: Any, busy: list[float], comm: list[float], wall: float, *, includes_comm: bool) -> np.ndarray:

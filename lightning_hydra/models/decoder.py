@@ -27,6 +27,38 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
+class RotaryEmbedding(nn.Module):
+    """RoPE tables of a packed shard: angles in float32 from each token's true position, cos/sin returned in the
+    activations' dtype (so that ``q * cos`` keeps bf16 activations bf16 for the flash kernels).
+
+    The inverse frequencies are recomputed in float32 on the positions' device at every call (``head_dim / 2``
+    values, once per forward, shared by every layer) instead of living in a buffer: precision plugins cast a
+    module's floating buffers (``bf16-true`` would round them to bf16, a large phase error at 256K positions).
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        """Args:
+        head_dim: Dimension of one attention head (even).
+        theta: RoPE base.
+        """
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+        self.head_dim = head_dim
+        self.theta = float(theta)
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """``theta ** (-2i / head_dim)`` in float32 on ``device``."""
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return self.theta ** (-exponent)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of shape ``[t, 1, head_dim]`` in ``dtype`` for positions ``[t]``."""
+        freqs = position_ids.to(torch.float32)[:, None] * self.inv_freq(position_ids.device)[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)
@@ -134,10 +166,7 @@ class DecoderLM(HydraModule):
         )
         self.norm = RMSNorm(hidden_size, norm_eps)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-        head_dim = hidden_size // num_heads
-        self.register_buffer(
-            "inv_freq", rope_theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim), persistent=False
-        )
+        self.rope = RotaryEmbedding(hidden_size // num_heads, rope_theta)
         self.apply(lambda m: self._init(m, init_std))
 
     @staticmethod
@@ -148,10 +177,8 @@ class DecoderLM(HydraModule):
     @override
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[t, vocab]`` of a packed shard (run inside a CP context: see :class:`CPContext`)."""
-        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)[:, None, :]
-        sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1)[:, None, :]
         x = self.embed(input_ids)
+        cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

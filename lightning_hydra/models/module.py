@@ -9,17 +9,21 @@ optimizer: the gradients equal those of one process training on the whole batch.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
+from lightning_hydra.data.datamodule import resolve
 from lightning_hydra.data.packing import RankMicrobatch, StepBatch
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
 from lightning_hydra.planner import CostModel
+
+if TYPE_CHECKING:
+    from lightning_hydra.strategy.runtime import HydraRuntime
 
 __all__ = ["CPU_LINKS", "HydraModule"]
 
@@ -93,15 +97,17 @@ class HydraModule(pl.LightningModule):
         return CostModel.for_transformer(**self.model_shape(), flops_per_second=self.flops_per_second, **CPU_LINKS)
 
     # ------------------------------------------------------------------ runtime
-    def _runtime(self) -> Any:
-        from lightning_hydra.strategy import HydraStrategy, SingleProcessPlanner
+    def runtime(self) -> HydraRuntime:
+        """The runtime this module trains in: the :class:`~lightning_hydra.HydraStrategy`'s pool, or one process."""
+        from lightning_hydra.strategy import HydraStrategy, LocalRuntime
 
         strategy = self.trainer.strategy
         if isinstance(strategy, HydraStrategy):
-            return strategy
-        if not hasattr(self, "_single"):
-            self._single = SingleProcessPlanner(self, 1)
-        return self._single
+            assert strategy.runtime is not None, "HydraStrategy.setup_environment has not run"
+            return strategy.runtime
+        if getattr(self, "_local_runtime", None) is None:
+            self._local_runtime = LocalRuntime(self, self.device)
+        return self._local_runtime
 
     def _context(self) -> CPContext:
         from lightning_hydra.strategy import HydraStrategy
@@ -111,44 +117,54 @@ class HydraModule(pl.LightningModule):
 
     def _run_microbatches(self, batch: StepBatch, train: bool) -> torch.Tensor:
         """Forward (and backward) of every microbatch; returns the global batch's mean token loss. Records the
-        busy and communication time of every microbatch in :attr:`last_timing` (its ``wall`` is the caller's)."""
-        runtime = self._runtime()
+        busy and communication time of every microbatch in :attr:`last_timing` (its ``wall`` is the caller's).
+
+        With ``train``, gradients are summed over the pool as the last microbatch's backward produces them (the
+        runtime's gradient sync); nothing here waits on the device before the step's end.
+        """
+        runtime = self.runtime()
         context = self._context()
         timer = MicrobatchTimer(self.device)
-        timing = StepTiming()
+        comm: list[float] = []
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in batch.microbatches:
+        sync = runtime.gradient_sync(self) if train else None
+        if sync is not None:
+            sync.begin()
+        last = len(batch.microbatches) - 1
+        for index, mb in enumerate(batch.microbatches):
             if mb.num_tokens == 0:
-                timing.busy.append(0.0)  # this rank's group is idle in this microbatch
-                timing.comm.append(0.0)
+                timer.skip()  # this rank's group is idle in this microbatch
+                comm.append(0.0)
                 continue
-            group = runtime.group(mb.ranks, mb.ulysses, mb.ring)
-            comm = group.clock.seconds
-            token = timer.start()
+            group = runtime.group(mb.group)
+            before = group.clock.seconds
+            timer.start()
             with context.use(group, mb.cu_seqlens):
                 loss_sum = self.microbatch_loss(mb)
-            if train:
+            if sync is not None:
+                if index == last:
+                    sync.arm()
                 self.manual_backward(loss_sum / batch.trained_tokens)
-            timing.busy.append(timer.stop(token))
-            timing.comm.append(group.clock.seconds - comm)
+            timer.stop()
+            comm.append(group.clock.seconds - before)
             total += loss_sum.detach().double()
-        self.last_timing = timing
+        if sync is not None:
+            sync.finish()
+        self.last_timing = StepTiming(busy=timer.read(), comm=comm)
         return runtime.all_sum(total) / max(batch.trained_tokens, 1)
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
+        batch = resolve(batch)  # a planned-ahead item when the data module's transfer hook was not used
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
-        runtime = self._runtime()
-        runtime.begin_step(batch.digest, batch.groups)  # synchronises the pool: the step's wall clock starts here
+        runtime = self.runtime()
+        runtime.begin_step(batch)  # synchronises the pool: the step's wall clock starts here
         start = time.perf_counter()
         loss = self._run_microbatches(batch, train=True)
-        runtime.reduce_gradients(self)
         self.last_timing.wall = time.perf_counter() - start
-        self.last_record = runtime.finish_step(
-            batch, self.last_timing.busy, self.last_timing.comm, self.last_timing.wall, int(self.global_step)
-        )
+        self.last_record = runtime.finish_step(batch, self.last_timing, int(self.global_step))
         if self.max_grad_norm:
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
@@ -162,7 +178,8 @@ class HydraModule(pl.LightningModule):
 
     @override
     def validation_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
-        self._runtime().begin_step(batch.digest, batch.groups)
+        batch = resolve(batch)
+        self.runtime().begin_step(batch)
         loss = self._run_microbatches(batch, train=False)
         self.log("val/loss", loss.float(), prog_bar=True, batch_size=1, sync_dist=True)  # equal on all ranks
         return loss

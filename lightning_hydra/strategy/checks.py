@@ -1,0 +1,88 @@
+"""Checks every rank runs identically: the pool's shape and the plan's digest."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_hydra.planner import DegreeRules, PlannerConfig
+
+__all__ = ["check_digests", "check_fits", "check_pool"]
+
+
+def check_pool(world_size: int, ranks_per_node: int) -> None:
+    """Raise ``ValueError`` unless the pool is whole nodes, or a part of one node that divides it."""
+    if world_size < 1 or ranks_per_node < 1:
+        raise ValueError(f"world size ({world_size}) and ranks_per_node ({ranks_per_node}) must be positive")
+    if world_size >= ranks_per_node and world_size % ranks_per_node:
+        raise ValueError(f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}")
+    if world_size < ranks_per_node and ranks_per_node % world_size:
+        raise ValueError(
+            f"a world of {world_size} ranks smaller than a node must divide ranks_per_node={ranks_per_node}"
+        )
+
+
+def check_digests(
+    digest: str, world_size: int, *, device: torch.device, group: dist.ProcessGroup | None = None
+) -> None:
+    """All-gather a plan digest and raise ``RuntimeError`` naming the ranks that disagree with rank 0 (no hang:
+    every rank takes part and every rank raises).
+
+    Args:
+        digest: This rank's plan digest (hex).
+        world_size: Ranks of ``group``.
+        device: Device of the exchanged tensor: the backend's (CUDA for nccl).
+        group: Process group (default: the world).
+    """
+    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
+    gathered = torch.zeros(world_size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    values = gathered.tolist()
+    odd = [r for r, v in enumerate(values) if v != values[0]]
+    if odd:
+        raise RuntimeError(
+            f"plan digests differ across ranks: ranks {odd} disagree with rank 0. Every rank must see the same "
+            "dataset, seed, planner settings and cost model"
+        )
+
+
+def check_fits(
+    config: PlannerConfig,
+    world_size: int,
+    num_heads: int | None,
+    *,
+    longest: int,
+    split: str,
+    global_batch_tokens: int,
+) -> None:
+    """Raise ``ValueError`` when a sequence of ``longest`` tokens cannot fit the pool at any degree, or a global batch
+    of ``global_batch_tokens`` cannot fit its microbatches (pure: callable before any process starts).
+
+    Args:
+        config: The planner settings.
+        world_size: Ranks in the pool.
+        num_heads: Attention heads of the model (``None``: any Ulysses degree).
+        longest: The longest sequence of the data.
+        split: Name of the data split (for the message).
+        global_batch_tokens: Tokens per global batch.
+    """
+    pool = world_size * config.max_tokens_per_rank * config.num_microbatches
+    if global_batch_tokens > pool:
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} exceeds what {config.num_microbatches} microbatches of "
+            f"{world_size} ranks x {config.max_tokens_per_rank} tokens hold ({pool}); raise num_microbatches or "
+            "max_tokens_per_rank"
+        )
+    rules = DegreeRules(
+        world_size=world_size,
+        ranks_per_node=min(config.ranks_per_node, world_size),
+        num_heads=num_heads,
+        max_ulysses=config.max_ulysses,
+        max_ring=config.max_ring,
+    )
+    if rules.memory_min(longest, config.max_tokens_per_rank, fine=True) is None:
+        raise ValueError(
+            f"the {split} data holds a sequence of {longest} tokens, more than the pool can hold ({world_size} ranks "
+            f"x {config.max_tokens_per_rank} tokens); raise max_tokens_per_rank, add ranks, or set "
+            "HydraDataModule(max_seq_len=..., truncate=True)"
+        )

@@ -1,0 +1,416 @@
+"""``HydraStrategy``: load-driven dynamic context parallelism as a Lightning strategy."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+from typing_extensions import override
+
+from lightning_hydra.cp import CPContext, apply_cp, remove_cp
+from lightning_hydra.cp.kernels import KERNEL_NAMES
+from lightning_hydra.metrics.record import StepRecord
+from lightning_hydra.planner import POLICIES, CostModel, PlannerConfig
+from lightning_hydra.planner.calibration import CostCalibrator
+from lightning_hydra.strategy.checks import check_fits, check_pool
+from lightning_hydra.strategy.runtime import PoolRuntime, model_heads
+
+__all__ = ["HydraStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def sync_module_states(module: nn.Module, device: torch.device) -> None:
+    """Broadcast every parameter and buffer from rank 0, so that all replicas start identical (what DDP's
+    constructor does; this strategy does not wrap the model in DDP)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel()]
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, _), group in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group]).to(dtype)
+        dist.broadcast(flat, src=0)
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+
+class HydraStrategy(ParallelStrategy):
+    """Dynamic context parallelism for a pool of data-parallel ranks, planned per global batch.
+
+    Every rank holds a full model replica. For every optimizer step the :class:`~lightning_hydra.HydraDataModule`
+    plans the global batch (the same plan on every rank, checked by digest) into microbatches of CP groups; this
+    strategy owns the communicators of those groups (created once, at set-up, for every aligned Ulysses block the
+    pool can use), makes each microbatch's group current for the model's attention, and sums the gradients over
+    the pool once per step (in buckets, overlapped with the last microbatch's backward), so that they equal one
+    process's gradients on the whole global batch. The model is not wrapped in ``DistributedDataParallel``.
+
+    The pool is the default process group: global rank ``g`` is pool position ``g``; ranks ``[k * ranks_per_node,
+    (k + 1) * ranks_per_node)`` share node ``k`` (Ulysses all-to-alls stay inside a node, rings cross nodes).
+    """
+
+    strategy_name = "hydra"
+
+    def __init__(
+        self,
+        policy: str = "hydra",
+        max_tokens_per_rank: int = 4096,
+        num_microbatches: int = 1,
+        ranks_per_node: int = 8,
+        ulysses_degree: int | Literal["auto"] = "auto",
+        max_ring: int | None = None,
+        cost: CostModel | None = None,
+        kernel: str = "auto",
+        calibrate: bool = False,
+        calibration: CostCalibrator | None = None,
+        monitor: Any = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        """Args:
+        policy: ``"hydra"`` (load-driven), ``"mcore"`` (Megatron-Core Dynamic-CP) or ``"static"`` (fixed degree).
+        max_tokens_per_rank: Tokens one rank may hold in one microbatch (the memory limit).
+        num_microbatches: Microbatches per optimizer step (gradient accumulation).
+        ranks_per_node: Ranks per node (Ulysses all-to-alls stay inside a node).
+        ulysses_degree: Cap on the Ulysses degree, or ``"auto"`` (the node size, within the heads).
+        max_ring: Cap on the ring degree (``None``: none).
+        cost: Cost model of the planner (``None``: from the model's shape, see ``HydraModule.cost_model``).
+        kernel: Attention kernel (one of :data:`lightning_hydra.cp.kernels.KERNEL_NAMES`; ``"auto"`` picks by
+            device and what is installed).
+        calibrate: Refit the cost model every step from the measured busy times of all ranks (closed loop); the
+            next plans use it, and checkpoints carry it.
+        calibration: Settings of the refit (window, ridge, guards); default ``CostCalibrator()``.
+        monitor: ``True`` adds a :class:`~lightning_hydra.BubbleMonitor` unless the trainer has one, a
+            ``BubbleMonitor`` instance is added as given, ``False`` adds none (measurements are still gathered).
+        accelerator: The accelerator (set by the Trainer).
+        parallel_devices: Devices of this node's ranks (set by the Trainer).
+        cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
+        checkpoint_io: How checkpoints are written.
+        precision_plugin: The precision plugin (set by the Trainer).
+        process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by accelerator).
+        timeout: Collective timeout.
+        start_method: How Lightning launches the processes (``"popen"``, ``"spawn"``, ``"fork"``,
+            ``"forkserver"``).
+
+        Raises:
+            ValueError: An unknown name or an out-of-range number, with what is allowed.
+        """
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+        if kernel not in KERNEL_NAMES:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {list(KERNEL_NAMES)}")
+        if ulysses_degree != "auto":
+            _positive_int("ulysses_degree (or 'auto')", ulysses_degree)
+        if max_ring is not None:
+            _positive_int("max_ring", max_ring)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
+        self.planner_config = PlannerConfig(
+            policy=policy,
+            max_tokens_per_rank=_positive_int("max_tokens_per_rank", max_tokens_per_rank),
+            num_microbatches=_positive_int("num_microbatches", num_microbatches),
+            ranks_per_node=_positive_int("ranks_per_node", ranks_per_node),
+            max_ulysses=None if ulysses_degree == "auto" else int(ulysses_degree),
+            max_ring=max_ring,
+            cost=cost,
+        )
+        self.cp = CPContext(kernel)
+        self.calibrate = calibrate
+        self.calibrator = calibration if calibration is not None else CostCalibrator()
+        self.monitor = monitor
+        self.runtime: PoolRuntime | None = None
+        """The pool's runtime (plans, communicators, gradient sums, measurements); built at the first set-up."""
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._wrapped = 0
+        self._restored_cost: CostModel | None = None
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def is_distributed(self) -> bool:
+        """Always a multi-process strategy (Lightning reads this to enable ``sync_dist`` logging)."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the run (set by the Trainer's ``num_nodes``)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Ranks on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The backend of the default process group."""
+        return self._process_group_backend
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "hydra" not in strategy_registry:
+            strategy_registry.register("hydra", cls, description="Load-driven dynamic context parallelism (HyDra)")
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Global rank and world size from the node rank, the local rank and the node's devices."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        check_pool(self.world_size, self.planner_config.ranks_per_node)
+        self._setup_runtime()
+
+    def _setup_runtime(self) -> None:
+        if self.runtime is None or self.runtime.closed:
+            self.runtime = PoolRuntime(
+                planner_config=self.planner_config,
+                device=self.root_device,
+                global_rank=self.global_rank,
+                world_size=self.world_size,
+                calibrate=self.calibrate,
+                calibrator=self.calibrator,
+                backend=self._process_group_backend,
+                local_world_size=self.num_processes,
+            )
+        if self._restored_cost is not None:
+            self.runtime.cost_model = self._restored_cost
+            self._restored_cost = None
+        assert self.lightning_module is not None
+        self.runtime.bind(self.lightning_module)
+        made = self.runtime.setup()
+        cache = self.runtime.cache
+        if made:
+            rank_zero_info(
+                f"HydraStrategy: created {made} CP communicators ({len(cache.member_of(self.global_rank))} on rank "
+                f"{self.global_rank}) in {cache.setup_seconds:.2f} s"
+            )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        sync_module_states(self.model, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        self._wrapped = apply_cp(model, self.cp)
+        heads = model_heads(model)[0]
+        if heads is not None and self.planner_config.max_ulysses and heads % self.planner_config.max_ulysses:
+            raise ValueError(
+                f"{heads} attention heads cannot be split over ulysses_degree={self.planner_config.max_ulysses}"
+            )
+        rank_zero_info(f"HydraStrategy: {self._wrapped} attention modules route through the CP engine")
+        self._add_monitor(model)
+
+    def _add_monitor(self, model: pl.LightningModule) -> None:
+        from lightning_hydra.metrics.monitor import BubbleMonitor
+
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or self.monitor is False:
+            return
+        if any(isinstance(c, BubbleMonitor) for c in trainer.callbacks):
+            return
+        monitor = self.monitor if isinstance(self.monitor, BubbleMonitor) else BubbleMonitor()
+        trainer.callbacks.append(monitor)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            remove_cp(module)
+        if self.runtime is not None:
+            cache = self.runtime.cache
+            log.debug("HydraStrategy teardown: %d CP communicators held, %d created", len(cache), cache.created)
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    def destroy_groups(self) -> int:
+        """Destroy the CP communicators now (every rank; the default process group must still exist). The next
+        set-up creates them again. Returns how many were destroyed."""
+        return self.runtime.close() if self.runtime is not None else 0
+
+    def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:
+        """Raise ``ValueError`` when the data cannot be planned onto this strategy's pool (no process group needed;
+        see :func:`lightning_hydra.strategy.checks.check_fits`)."""
+        check_fits(
+            self.planner_config,
+            self.world_size,
+            model_heads(self.lightning_module)[0],
+            longest=longest,
+            split=split,
+            global_batch_tokens=global_batch_tokens,
+        )
+
+    # ------------------------------------------------------------------ what the monitor and users read
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model plans use now (given, analytic from the model's shape, or calibrated)."""
+        if self.runtime is not None:
+            return self.runtime.cost_model
+        if self.planner_config.cost is not None:
+            return self.planner_config.cost
+        from lightning_hydra.strategy.runtime import model_cost
+
+        return model_cost(self.lightning_module)
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """Every rank's measurements of the last training step (the same on every rank)."""
+        return self.runtime.last_record if self.runtime is not None else None
+
+    @property
+    def measure_seconds(self) -> float:
+        """Wall seconds the last step spent gathering measurements and calibrating."""
+        return self.runtime.measure_seconds if self.runtime is not None else 0.0
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More ranks on this host than CPU cores (CPU runs only)."""
+        return self.runtime.oversubscribed if self.runtime is not None else False
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint["hydra"] = {"cost_model": self.cost_model.to_dict(), "calibrator": self.calibrator.state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get("hydra")
+        if saved is not None and self.calibrate:
+            cost = CostModel.from_dict(saved["cost_model"])
+            if self.runtime is not None:
+                self.runtime.cost_model = cost
+            else:
+                self._restored_cost = cost
+            self.calibrator.load_state_dict(saved["calibrator"])
+            rank_zero_info("HydraStrategy: restored the calibrated cost model from the checkpoint")
+        return checkpoint
+
+
+HydraStrategy.register_strategies(StrategyRegistry)
