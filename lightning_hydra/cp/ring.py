@@ -40,9 +40,11 @@ def _wait(works: list, clock: CommClock) -> None:
                 work.wait()
 
 
-def _flat(shape_rows: int, dim: int, dtype: torch.dtype, like: torch.Tensor, zero: bool) -> torch.Tensor:
-    factory = torch.zeros if zero else torch.empty
-    return factory((shape_rows + 1, dim), dtype=dtype, device=like.device)
+def _flat(rows: int, dim: int, dtype: torch.dtype, like: torch.Tensor, zero: bool) -> torch.Tensor:
+    """A flat ``[rows + 1, dim]`` accumulator (last row: the sink) on ``like``'s device."""
+    if zero:
+        return torch.zeros((rows + 1, dim), dtype=dtype, device=like.device)
+    return torch.empty((rows + 1, dim), dtype=dtype, device=like.device)
 
 
 class _RingAttention(torch.autograd.Function):
