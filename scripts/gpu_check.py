@@ -14,7 +14,8 @@ Three checks:
    the peak memory of the step is reported per token (CUDA only).
 2. ``ring``: every rank of a ring of degree 1, 2 and 4 is emulated in one process: each walks its ring steps
    through the kernel's step plans, merges partials with the engine's log-sum-exp merge and runs the per-block
-   backward with the final output and log-sum-exp (the code the ring runs, minus the transfers). Outputs and
+   backward with the final output and log-sum-exp (the code the ring runs, minus the transfers); short sequences
+   take the kernel's gathered path when it has one. Outputs and
    gradients are compared with a per-document float32 reference, causal and not, with and without GQA.
 3. ``summary``: one JSON object on the last line; the exit status is non-zero if any check failed.
 """
@@ -76,6 +77,13 @@ def emulate(q, k, v, dout, cu, ring, causal, kernel: AttentionKernel):
         for p in range(ring)
     ]
     t = meta.shard_len
+    kpos = [None] * ring
+    for p, plan in enumerate(plans):
+        if plan.gathered is not None:  # the keys of the short sequences, collected from every block
+            kpos[p] = torch.empty((2, plan.gather_index.numel(), kv_heads, dim), dtype=k.dtype, device=q.device)
+            for src in range(ring):
+                kv = torch.stack([shard[src][1], shard[src][2]])
+                kpos[p].index_copy_(1, plan.gather_index[src], kv[:, plan.split :])
     outs, lses = [], []
     for p, plan in enumerate(plans):
         acc = Accumulator(t, heads, dim, torch.float32, q.device, init=not plan.first_covers)
@@ -83,6 +91,8 @@ def emulate(q, k, v, dout, cu, ring, causal, kernel: AttentionKernel):
             src = (p - s) % ring
             if step is not None:
                 kernel.forward(shard[p][0], shard[src][1], shard[src][2], step, scale, acc, first=s == 0)
+        if plan.gathered is not None:
+            kernel.gathered_forward(shard[p][0], kpos[p][0], kpos[p][1], plan.gathered, scale, acc)
         lse = acc.lse.clone()
         lse.masked_fill_(lse == float("-inf"), float("inf"))  # as the ring does before its backward
         lse[acc.sink] = float("inf")
@@ -93,6 +103,16 @@ def emulate(q, k, v, dout, cu, ring, causal, kernel: AttentionKernel):
     dv = [torch.zeros(t * kv_heads + 1, dim, device=q.device) for _ in range(ring)]
     for p, plan in enumerate(plans):
         out_p = outs[p].to(q.dtype)
+        if plan.gathered is not None:
+            dq_g = torch.zeros_like(dq[p])
+            dkv = kernel.gathered_backward(
+                shard[p][3], shard[p][0], kpos[p][0], kpos[p][1], out_p, lses[p], plan.gathered, scale, dq_g
+            )
+            dq[p] += dq_g
+            for src in range(ring):  # each block's share goes back to its owner
+                part = dkv.index_select(1, plan.gather_index[src]).reshape(2, -1, dim)
+                dk[src][plan.split * kv_heads : t * kv_heads] += part[0]
+                dv[src][plan.split * kv_heads : t * kv_heads] += part[1]
         for s, step in enumerate(plan.steps):
             src = (p - s) % ring
             if step is None:
@@ -169,6 +189,7 @@ class _ReferenceAttention:
 
 def _microbatch(lengths: list[int], vocab: int, seed: int):
     from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+    from lightning_hydra.planner import Group
 
     g = torch.Generator().manual_seed(seed)
     docs = [torch.randint(2, vocab, (n,), generator=g) for n in lengths]
@@ -182,7 +203,8 @@ def _microbatch(lengths: list[int], vocab: int, seed: int):
     lab = torch.full((meta.shard_len,), IGNORE_INDEX, dtype=torch.long)
     ids[real] = tokens[source[real]]
     lab[real] = labels[source[real]]
-    mb = RankMicrobatch(ids, lab, positions, tuple(cu), (0,), 1, 1, tuple(range(len(lengths))))
+    seq_ids = tuple(range(len(lengths)))
+    mb = RankMicrobatch(ids, lab, positions, tuple(cu), Group((0,), 1, 1, seq_ids), seq_ids)
     # the reference sees the unpadded bin in bin order, positions restarting at every document
     ref_positions = torch.arange(cu[-1]) - torch.repeat_interleave(torch.tensor(cu[:-1]), torch.tensor(lengths))
     return mb, tokens, labels, ref_positions

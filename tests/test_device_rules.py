@@ -161,7 +161,7 @@ def test_engine_runs_on_the_meta_device(
 def test_backward_overlaps_both_transfers_with_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     log: list = []
     _patch_transfers(monkeypatch, log)
-    kernel = CpuKernel()
+    kernel = CpuKernel(gather_limit=0)  # every sequence around the ring
     original = kernel.backward
 
     def logged_backward(*args, **kwargs):

@@ -47,15 +47,29 @@ def _check_ring(kernel, lengths, ring, causal, heads=8, kv_heads=2, dtype=torch.
 
 @pytest.mark.parametrize("ring", [1, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_cpu_kernel_on_awkward_bins(ring: int, causal: bool) -> None:
-    _check_ring(CpuKernel(), AWKWARD, ring, causal)
+@pytest.mark.parametrize("gather_limit", [0, 32, 2048])
+def test_cpu_kernel_on_awkward_bins(ring: int, causal: bool, gather_limit: int) -> None:
+    """Every sequence around the ring (0), the short ones gathered (32: a mix), or all gathered (2048)."""
+    _check_ring(CpuKernel(gather_limit), AWKWARD, ring, causal)
 
 
-def test_cpu_kernel_bf16_and_many_short_documents() -> None:
+@pytest.mark.parametrize("gather_limit", [0, 2048])
+def test_cpu_kernel_bf16_and_many_short_documents(gather_limit: int) -> None:
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in rng.integers(1, 12, size=30)]
-    _check_ring(CpuKernel(), lengths, 4, True, dtype=torch.bfloat16, tol=2e-2)
-    _check_ring(CpuKernel(), lengths, 2, False, heads=4, kv_heads=4)
+    _check_ring(CpuKernel(gather_limit), lengths, 4, True, dtype=torch.bfloat16, tol=2e-2)
+    _check_ring(CpuKernel(gather_limit), lengths, 2, False, heads=4, kv_heads=4)
+
+
+def test_the_gathered_split_is_a_suffix_of_short_sequences() -> None:
+    cu = [0, *itertools.accumulate(AWKWARD)]
+    layout = MicrobatchLayout(cu, 1, 4, 2)
+    plan = AttentionPlan.build(layout, CpuKernel(32), torch.device("cpu"), causal=True, heads=2, kv_heads=1)
+    n_ring = layout.ring_sequences(32)
+    assert 0 < n_ring < len(AWKWARD) and plan.split == 2 * int(layout.ring_chunks[:n_ring].sum())
+    assert (2 * 4 * layout.ring_chunks[n_ring:] <= 32).all() and (2 * 4 * layout.ring_chunks[:n_ring] > 32).all()
+    assert plan.gather_index.shape == (4, layout.rows - plan.split)
+    assert sorted(plan.gather_index.reshape(-1).tolist()) == list(range(plan.gather_index.numel()))
 
 
 def test_awkward_bins_have_queries_without_keys() -> None:

@@ -37,24 +37,28 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 @dataclass
 class CpuRun:
-    """One call of the op: ``n`` adjacent sequences of ``block`` local rows each."""
+    """One call of the op: ``n`` adjacent sequences of ``block`` query rows and ``k_block`` key rows each."""
 
     start: int
-    """First local row of the run."""
+    """First query row of the run (in the local tensors)."""
     n: int
     """Sequences in the run."""
     block: int
-    """Rows of each sequence (``2 C``)."""
+    """Rows of each sequence in the query tensor (``2 C``)."""
     q_off: int
     """First query row inside each block."""
     lq: int
     """Query rows of each sequence."""
     lk: int
-    """Key rows of each sequence (a prefix of the block)."""
+    """Key rows of each sequence (a prefix of its key block)."""
     causal: bool
     """``is_causal`` of the op."""
+    k_start: int
+    """First key row of the run (in the key tensor)."""
+    k_block: int
+    """Rows of each sequence in the key tensor."""
     allowed: np.ndarray | None = None
-    """``[n, 1, 1, lk]`` key-padding mask (``None``: every key visible)."""
+    """Boolean mask broadcastable to ``[n, heads, lq, lk]`` (``None``: every key visible)."""
     dead: torch.Tensor | None = None
     """``[n, 1, 1]`` sequences without keys at this step (``None``: none)."""
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -70,9 +74,14 @@ class CpuRun:
         return m
 
     def view(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """``[n, heads, hi - lo, ...]`` view of rows ``lo:hi`` of every block of a token-major tensor."""
+        """``[n, heads, hi - lo, ...]`` view of rows ``lo:hi`` of every query block of a token-major tensor."""
         blocks = x[self.start : self.start + self.n * self.block].view(self.n, self.block, *x.shape[1:])
         return blocks[:, lo:hi].transpose(1, 2)
+
+    def kview(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, heads, lk, ...]`` view of the visible key rows of every key block."""
+        blocks = x[self.k_start : self.k_start + self.n * self.k_block].view(self.n, self.k_block, *x.shape[1:])
+        return blocks[:, : self.lk].transpose(1, 2)
 
 
 @dataclass
@@ -99,7 +108,8 @@ def _runs(seg: Segments) -> CpuStep:
             continue  # nothing to see in this block: rows stay at out 0, lse -inf
         lq = int(seg.q_len[a])
         q_off = int(seg.q_start[a] - seg.start[a])
-        run = CpuRun(int(seg.start[a]), b - a, int(block[a]), q_off, lq, lk, seg.causal)
+        start = int(seg.start[a])
+        run = CpuRun(start, b - a, int(block[a]), q_off, lq, lk, seg.causal, start, int(block[a]))
         if not seg.causal and bool((k_len < lk).any()):
             run.allowed = (np.arange(lk)[None, :] < k_len[:, None])[:, None, None, :]
             if bool((k_len == 0).any()):
@@ -110,10 +120,57 @@ def _runs(seg: Segments) -> CpuStep:
     return CpuStep(runs, q_cover == seg.q_rows, k_cover == seg.k_rows)
 
 
+@dataclass
+class CpuGathered:
+    """The calls for the gathered (short) sequences: their keys arrive whole, in position order."""
+
+    runs: list[CpuRun]
+    covers_q: bool = True
+    """Every local row of the gathered sequences is written."""
+
+
+def _gathered_runs(
+    lengths: np.ndarray, chunks: np.ndarray, ring: int, pos: int, causal: bool, row0: int
+) -> CpuGathered:
+    c = np.asarray(chunks, dtype=np.int64)
+    q_starts = row0 + np.cumsum(2 * c) - 2 * c
+    k_starts = np.cumsum(2 * ring * c) - 2 * ring * c
+    edges = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True]) if c.size else np.zeros(1, np.int64)
+    runs = []
+    for a, b in itertools.pairwise(edges.tolist()):
+        size = int(c[a])
+        if size == 0:
+            continue
+        common = {"start": int(q_starts[a]), "n": b - a, "block": 2 * size, "causal": False}
+        common |= {"k_start": int(k_starts[a]), "k_block": 2 * ring * size}
+        if causal:
+            # chunk pos (positions pos*C + i) and chunk 2r-1-pos: keys up to their own position (bottom-right causal)
+            for q_off, first in ((0, pos * size), (size, (2 * ring - 1 - pos) * size)):
+                lk = first + size
+                allowed = np.arange(lk)[None, :] <= first + np.arange(size)[:, None]
+                runs.append(CpuRun(q_off=q_off, lq=size, lk=lk, allowed=allowed[None, None], **common))
+        else:
+            n = lengths[a:b]
+            lk = int(n.max())
+            allowed = None if bool((n == lk).all()) else (np.arange(lk)[None, :] < n[:, None])[:, None, None, :]
+            runs.append(CpuRun(q_off=0, lq=2 * size, lk=lk, allowed=allowed, **common))
+    return CpuGathered(runs)
+
+
 class CpuKernel:
-    """The CPU flash-attention op, one call per run of equal-sized sequences (see the module docstring)."""
+    """The CPU flash-attention op, one call per run of equal-sized sequences (see the module docstring).
+
+    Args:
+        gather_limit: Sequences whose padded length is at most this many tokens are not sent around the ring
+            step by step: their keys are collected from the passing blocks and each local query chunk attends to
+            its whole causal prefix in one call (see :mod:`lightning_hydra.cp.ring`). The CPU op pays per query
+            row and call, which a ring multiplies by about ``1 + 0.75 (ring - 1)`` for short sequences. 0: never.
+    """
 
     name = "cpu"
+
+    def __init__(self, gather_limit: int = 2048) -> None:
+        self.gather_limit = int(gather_limit)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise ``TypeError`` unless the CPU op supports ``dtype``."""
@@ -123,6 +180,72 @@ class CpuKernel:
     def prepare(self, seg: Segments, *, heads: int, kv_heads: int, device: torch.device) -> CpuStep:
         """The runs of one step (host bookkeeping only: the op reads views)."""
         return _runs(seg)
+
+    def prepare_gathered(
+        self, lengths: np.ndarray, chunks: np.ndarray, *, ring: int, pos: int, causal: bool, row0: int
+    ) -> CpuGathered:
+        """The calls for the gathered sequences (``lengths``/``chunks`` in shard order, rows from ``row0``)."""
+        return _gathered_runs(lengths, chunks, ring, pos, causal, row0)
+
+    def gathered_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpuGathered, scale: float, acc: Accumulator
+    ) -> None:
+        """Attention of the gathered sequences' local queries against their position-ordered keys ``k``, ``v``
+        (``[sum 2 r C, kv_heads, dim]``); writes the final rows of ``acc``."""
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out3, lse2 = acc.out3(), acc.lse2()
+        for run in plan.runs:
+            hi = run.q_off + run.lq
+            o, lo = op(
+                run.view(q, run.q_off, hi),
+                run.kview(k),
+                run.kview(v),
+                0.0,
+                False,
+                attn_mask=run.mask(q.dtype),
+                scale=scale,
+            )
+            run.view(out3, run.q_off, hi).copy_(o)
+            run.view(lse2, run.q_off, hi).copy_(lo)
+
+    def gathered_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        plan: CpuGathered,
+        scale: float,
+        dq: torch.Tensor,
+    ) -> torch.Tensor:
+        """Gradients of the gathered sequences: writes their query rows of the flat ``dq``; returns the float32
+        gradients of the position-ordered keys and values, ``[2, sum 2 r C, kv_heads, dim]``."""
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        t, heads, dim = q.shape
+        lse2 = lse[: t * heads].view(t, heads)
+        dq3 = dq[: t * heads].view(t, heads, dim)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        dk, dv = dkv[0], dkv[1]
+        for run in plan.runs:
+            hi = run.q_off + run.lq
+            gq, gk, gv = op(
+                run.view(dout, run.q_off, hi),
+                run.view(q, run.q_off, hi),
+                run.kview(k),
+                run.kview(v),
+                run.view(out, run.q_off, hi),
+                run.view(lse2, run.q_off, hi),
+                0.0,
+                False,
+                attn_mask=run.mask(q.dtype),
+                scale=scale,
+            )
+            run.view(dq3, run.q_off, hi).copy_(gq)
+            run.kview(dk).add_(gk)
+            run.kview(dv).add_(gv)
+        return dkv
 
     def forward(
         self,
@@ -141,8 +264,8 @@ class CpuKernel:
             hi = run.q_off + run.lq
             o, lo = op(
                 run.view(q, run.q_off, hi),
-                run.view(k, 0, run.lk),
-                run.view(v, 0, run.lk),
+                run.kview(k),
+                run.kview(v),
                 0.0,
                 run.causal,
                 attn_mask=run.mask(q.dtype),
@@ -185,8 +308,8 @@ class CpuKernel:
             gq, gk, gv = op(
                 run.view(dout, run.q_off, hi),
                 run.view(q, run.q_off, hi),
-                run.view(k, 0, run.lk),
-                run.view(v, 0, run.lk),
+                run.kview(k),
+                run.kview(v),
                 run.view(out, run.q_off, hi),
                 run.view(lse2, run.q_off, hi),
                 0.0,
@@ -202,7 +325,7 @@ class CpuKernel:
             dk3 = dk[: tk * kv_heads].view(tk, kv_heads, dim)
             dv3 = dv[: tk * kv_heads].view(tk, kv_heads, dim)
             for run, gk, gv in parts:
-                write_rows(run.view(dk3, 0, run.lk), None, gk, add)
-                write_rows(run.view(dv3, 0, run.lk), None, gv, add)
+                write_rows(run.kview(dk3), None, gk, add)
+                write_rows(run.kview(dv3), None, gv, add)
 
         return apply

@@ -56,18 +56,42 @@ class MicrobatchLayout:
         """Super-chunk size of every sequence at ring level (shard order)."""
         self.rows = self.ulysses * self.meta.shard_len
         """Local rows at ring level (after the Ulysses gather)."""
-        self._segments: dict[tuple[int, bool], Segments | None] = {}
+        self._segments: dict[tuple[int, bool, int], Segments | None] = {}
         self._order: np.ndarray | None = None
 
-    def segments(self, step: int, causal: bool) -> Segments | None:
-        """Segments of ring step ``step`` (this rank holds the KV block of position ``(pos - step) mod ring``)."""
-        key = (step, causal)
+    def ring_sequences(self, gather_limit: int) -> int:
+        """How many sequences (a prefix in shard order) go around the ring; the rest, whose padded length
+        ``2 * ring * C`` is at most ``gather_limit``, are attended after gathering their keys (see
+        :mod:`lightning_hydra.cp.ring`). Everything goes around the ring when ``ring == 1`` or the limit is 0."""
+        n = self.meta.shard_lengths.size
+        if self.ring == 1 or gather_limit <= 0:
+            return n
+        return int(np.count_nonzero(2 * self.ring * self.ring_chunks > gather_limit))
+
+    def segments(self, step: int, causal: bool, sequences: int | None = None) -> Segments | None:
+        """Segments of ring step ``step`` (this rank holds the KV block of position ``(pos - step) mod ring``) for
+        the first ``sequences`` sequences in shard order (default all)."""
+        n = self.meta.shard_lengths.size if sequences is None else sequences
+        key = (step, causal, n)
         if key not in self._segments:
             src = (self.pos - step) % self.ring
             self._segments[key] = ring_segments(
-                self.meta.shard_lengths, self.ring_chunks, self.ring, self.pos, src, causal
+                self.meta.shard_lengths[:n], self.ring_chunks[:n], self.ring, self.pos, src, causal
             )
         return self._segments[key]
+
+    def gather_index(self, sequences: int) -> np.ndarray:
+        """``[ring, t_s]``: where each block's rows of the gathered sequences (those after the first ``sequences``)
+        go in the keys laid out sequence after sequence in position order (``2 * ring * C`` rows each)."""
+        c = self.ring_chunks[sequences:]
+        r = self.ring
+        starts = np.cumsum(2 * r * c) - 2 * r * c
+        rows = []
+        for src in range(r):
+            first = starts + src * c
+            second = starts + (2 * r - 1 - src) * c
+            rows.append(ragged_arange(np.stack([first, second], axis=1).reshape(-1), np.repeat(c, 2)))
+        return np.stack(rows) if rows else np.zeros((r, 0), dtype=np.int64)
 
     def order(self) -> np.ndarray:
         """The Ulysses gather order (see :func:`gathered_order`)."""
@@ -93,6 +117,12 @@ class AttentionPlan:
     """Its inverse permutation."""
     steps: list[Any]
     """Kernel plan of every ring step (``None``: nothing interacts)."""
+    split: int = 0
+    """First local row of the gathered sequences (``rows``: none)."""
+    gathered: Any = None
+    """The kernel's plan for the gathered sequences (``None``: none)."""
+    gather_index: torch.Tensor | None = None
+    """``[ring, t_s]`` device index of each block's gathered rows in the position-ordered keys."""
 
     @classmethod
     def build(
@@ -112,13 +142,34 @@ class AttentionPlan:
             inv = np.empty_like(host)
             inv[host] = np.arange(host.size, dtype=np.int64)
             order, inverse = to_device([host, inv], device)
+        n_ring = layout.ring_sequences(getattr(kernel, "gather_limit", 0))
         steps = []
         for s in range(layout.ring):
-            seg = layout.segments(s, causal)
+            seg = layout.segments(s, causal, n_ring)
             steps.append(None if seg is None else kernel.prepare(seg, heads=heads, kv_heads=kv_heads, device=device))
-        return cls(layout, kernel, causal, heads, kv_heads, order, inverse, steps)
+        split = int(2 * layout.ring_chunks[:n_ring].sum())
+        gathered = index = None
+        if split < layout.rows:
+            meta = layout.meta
+            gathered = kernel.prepare_gathered(
+                meta.shard_lengths[n_ring:],
+                layout.ring_chunks[n_ring:],
+                ring=layout.ring,
+                pos=layout.pos,
+                causal=causal,
+                row0=split,
+            )
+            (index,) = to_device([layout.gather_index(n_ring)], device)
+        return cls(layout, kernel, causal, heads, kv_heads, order, inverse, steps, split, gathered, index)
 
     @property
     def first_covers(self) -> bool:
-        """The first step (the causal diagonal) covers every query row: accumulators need no initialisation."""
-        return self.steps[0] is not None and self.steps[0].covers_q
+        """The first ring step and the gathered sequences write every query row (causal attention always does):
+        accumulators need no initialisation."""
+        ring_rows = self.split == 0 or (self.steps[0] is not None and self.steps[0].covers_q)
+        return ring_rows and (self.gathered is None or self.gathered.covers_q)
+
+    @property
+    def first_covers_k(self) -> bool:
+        """The first ring step writes every key row of the ring sequences."""
+        return self.split == 0 or (self.steps[0] is not None and self.steps[0].covers_k)
