@@ -227,3 +227,14 @@ def test_layout_of_every_member_is_consistent() -> None:
     layouts = [MicrobatchLayout(cu, 2, 2, j) for j in range(4)]
     assert all(np.array_equal(lay.meta.order, layouts[0].meta.order) for lay in layouts)
     assert [lay.pos for lay in layouts] == [0, 0, 1, 1]
+
+
+def test_ulysses_reorders_have_exact_gradients() -> None:
+    from lightning_hydra.cp.ulysses import _GatherSplit, _PermuteRows
+
+    x = torch.randn(12, 7, 3, dtype=torch.float64, requires_grad=True)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(12)
+    torch.autograd.gradcheck(lambda y: _GatherSplit.apply(y, order, inverse, (4, 2, 1)), (x,))
+    torch.autograd.gradcheck(lambda y: _PermuteRows.apply(y, order, inverse), (x,))

@@ -51,12 +51,15 @@ class _GatherSplit(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, sizes: tuple[int, ...]
     ) -> tuple[torch.Tensor, ...]:
-        ctx.inverse = inverse
+        ctx.order, ctx.sizes, ctx.shape = order, sizes, x.shape
         return tuple(part.index_select(0, order) for part in x.split(list(sizes), dim=1))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return torch.cat(grads, dim=1).index_select(0, ctx.inverse), None, None, None
+        out = grads[0].new_empty(ctx.shape)
+        for part, grad in zip(out.split(list(ctx.sizes), dim=1), grads, strict=True):
+            part.index_copy_(0, ctx.order, grad)  # row order[i] of the input became row i
+        return out, None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
