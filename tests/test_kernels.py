@@ -22,8 +22,9 @@ from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout, gathered_or
 from tests.varlen_fakes import FakeAtenOps, flash_interface
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-AWKWARD = [0, 1, 2, 3, 5, 8, 8, 8, 0, 13, 1, 1, 40, 16, 16]
-"""Empty documents, documents shorter than 2d, runs of equal lengths, one longer document."""
+AWKWARD = [0, 1, 2, 3, 5, 8, 8, 8, 0, 13, 1, 1, 40, 16, 16, 200]
+"""Empty documents, documents shorter than 2d, runs of equal lengths, longer documents (one call per local chunk
+when gathered)."""
 
 
 def _gpu_check():

@@ -8,7 +8,8 @@ are reversed into ascending order here, and back before the return all-to-all. T
 device tensors of the microbatch's plan (:func:`lightning_hydra.cp.plan.gathered_order`), built once.
 
 Queries, keys and values travel in one all-to-all; the reorder and the split into three contiguous tensors are one
-gather, and the backward of a reorder is a gather by the inverse permutation (no scatter into zeros).
+gather, and the backward of a reorder is a gather by the inverse permutation (no scatter into zeros, which
+autograd's ``index_select`` backward would do).
 """
 
 from __future__ import annotations
@@ -51,15 +52,13 @@ class _GatherSplit(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, sizes: tuple[int, ...]
     ) -> tuple[torch.Tensor, ...]:
-        ctx.order, ctx.sizes, ctx.shape = order, sizes, x.shape
+        ctx.inverse = inverse
         return tuple(part.index_select(0, order) for part in x.split(list(sizes), dim=1))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        out = grads[0].new_empty(ctx.shape)
-        for part, grad in zip(out.split(list(ctx.sizes), dim=1), grads, strict=True):
-            part.index_copy_(0, ctx.order, grad)  # row order[i] of the input became row i
-        return out, None, None, None
+        # a gather by the inverse permutation (measured faster than scattering into the slices with index_copy_)
+        return torch.cat(grads, dim=1).index_select(0, ctx.inverse), None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
