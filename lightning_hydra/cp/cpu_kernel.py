@@ -1,20 +1,25 @@
 """The CPU attention kernel: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its backward,
 called once per *run* of sequences of equal chunk size.
 
-The CPU op is not variable-length: it takes ``[batch, heads, length, dim]`` (any strides). One call per sequence
-costs a fixed overhead per call; gathering sequences of similar length into padded batches costs copies of every
-operand and output (measured on the development machine: the copies cost more than the calls they save for
-documents of 32 tokens or more, see ``python -m lightning_hydra.bench.cp --short-docs``). The zigzag shard lists
-sequences by decreasing chunk size (:mod:`lightning_hydra.cp.layout`), so the sequences of equal chunk size ``C``
-form a run of adjacent ``2 C``-row blocks on every member and at every ring step: the run is one batch of the op,
-read and written through strided views, without any gather or scatter:
+The CPU op is not variable-length: it takes ``[batch, heads, length, dim]`` (any strides), and pays a fixed cost
+per call and per (batch entry, head). Gathering sequences of similar length into padded batches costs a copy of
+every operand and output: measured during development on the 400-document bin (``python -m
+lightning_hydra.bench.cp --short-docs``), index gathers and scatters took 62 ms against 100 ms of op time, more
+than the batching saved. Instead, the zigzag shard lists sequences by decreasing chunk size
+(:mod:`lightning_hydra.cp.layout`), so the sequences of equal chunk size ``C`` form a run of adjacent ``2 C``-row
+blocks on every member and at every ring step: the run is one batch of the op, read and written through strided
+views, without any gather or scatter:
 
 - causal diagonal: ``[n, 2C]`` queries against ``[n, 2C]`` keys with the op's causal mask (top-left aligned; the
   padding is a suffix of each sequence, which no real query sees);
 - ring steps off the diagonal: ``[n, 2C]`` queries against the first halves ``[n, :C]`` of the keys, or the second
   halves ``[n, C:]`` of the queries against ``[n, 2C]`` keys (no mask);
 - without the causal mask, a key-padding mask hides each sequence's padded keys; a sequence with no key in the
-  block gets ``lse = -inf`` (the op returns 0 there).
+  block gets ``lse = -inf`` (the op returns 0 there);
+- short sequences whose keys were gathered (:meth:`CpuKernel.prepare_gathered`): each local chunk against its
+  causal prefix of the position-ordered keys (a bottom-right causal mask), both chunks in one call when the
+  masked-out work is small; with grouped-query attention and few query rows, the query heads that share a KV head
+  are folded into the query length (fewer, larger calls).
 
 Grouped-query attention is passed to the op natively (fewer KV heads).
 """
@@ -64,16 +69,19 @@ class CpuRun:
     """Boolean mask broadcastable to ``[n, heads, lq, lk]`` (``None``: every key visible)."""
     dead: torch.Tensor | None = None
     """``[n, 1, 1]`` sequences without keys at this step (``None``: none)."""
-    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive mask in ``dtype`` (built once per dtype)."""
+    def mask(self, dtype: torch.dtype, fold: int = 1) -> torch.Tensor | None:
+        """Additive mask in ``dtype`` (built once per dtype), its query rows tiled ``fold`` times."""
         if self.allowed is None:
             return None
-        m = self.masks.get(dtype)
+        m = self.masks.get((dtype, fold))
         if m is None:
             allowed = torch.from_numpy(self.allowed)
-            m = self.masks[dtype] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            if allowed.shape[2] > 1:
+                allowed = allowed.repeat(1, 1, fold, 1)
+            m = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            self.masks[(dtype, fold)] = m
         return m
 
     def view(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -167,6 +175,28 @@ def _gathered_runs(
     return CpuGathered(runs)
 
 
+_FOLD_ROWS = 32
+"""Gathered calls with at most this many query rows per sequence fold the query heads that share a KV head into the
+query length: a quarter of the op's per-(sequence, head) calls with 4 query heads per KV head, for a copy of the
+queries (measured on 50 sequences of 2-16 query rows, 8 query and 2 KV heads: 4-30% less time, copies included)."""
+
+
+def _fold(run: CpuRun, heads: int, kv_heads: int) -> int:
+    return heads // kv_heads if run.lq <= _FOLD_ROWS else 1
+
+
+def _folded(x: torch.Tensor, kv_heads: int, g: int) -> torch.Tensor:
+    """``[n, H, L, ...]`` -> ``[n, Hkv, g * L, ...]`` (query head ``j * g + m`` to rows ``m * L ..``); a copy."""
+    if g == 1:
+        return x
+    return x.unflatten(1, (kv_heads, g)).flatten(2, 3)
+
+
+def _unfolded(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``[n, H, L, ...]`` view as ``[n, H / g, g, L, ...]`` (the target of a result folded ``g`` times)."""
+    return x.unflatten(1, (x.shape[1] // g, g))
+
+
 class CpuKernel:
     """The CPU flash-attention op, one call per run of equal-sized sequences (see the module docstring).
 
@@ -204,19 +234,21 @@ class CpuKernel:
         (``[sum 2 r C, kv_heads, dim]``); writes the final rows of ``acc``."""
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         out3, lse2 = acc.out3(), acc.lse2()
+        kv_heads = k.shape[1]
         for run in plan.runs:
             hi = run.q_off + run.lq
+            g = _fold(run, q.shape[1], kv_heads)
             o, lo = op(
-                run.view(q, run.q_off, hi),
+                _folded(run.view(q, run.q_off, hi), kv_heads, g),
                 run.kview(k),
                 run.kview(v),
                 0.0,
                 False,
-                attn_mask=run.mask(q.dtype),
+                attn_mask=run.mask(q.dtype, g),
                 scale=scale,
             )
-            run.view(out3, run.q_off, hi).copy_(o)
-            run.view(lse2, run.q_off, hi).copy_(lo)
+            _unfolded(run.view(out3, run.q_off, hi), g).copy_(o.unflatten(2, (g, run.lq)))
+            _unfolded(run.view(lse2, run.q_off, hi), g).copy_(lo.unflatten(2, (g, run.lq)))
 
     def gathered_backward(
         self,
@@ -238,21 +270,23 @@ class CpuKernel:
         dq3 = dq[: t * heads].view(t, heads, dim)
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         dk, dv = dkv[0], dkv[1]
+        kv_heads = k.shape[1]
         for run in plan.runs:
             hi = run.q_off + run.lq
+            g = _fold(run, heads, kv_heads)
             gq, gk, gv = op(
-                run.view(dout, run.q_off, hi),
-                run.view(q, run.q_off, hi),
+                _folded(run.view(dout, run.q_off, hi), kv_heads, g),
+                _folded(run.view(q, run.q_off, hi), kv_heads, g),
                 run.kview(k),
                 run.kview(v),
-                run.view(out, run.q_off, hi),
-                run.view(lse2, run.q_off, hi),
+                _folded(run.view(out, run.q_off, hi), kv_heads, g),
+                _folded(run.view(lse2, run.q_off, hi), kv_heads, g),
                 0.0,
                 False,
-                attn_mask=run.mask(q.dtype),
+                attn_mask=run.mask(q.dtype, g),
                 scale=scale,
             )
-            run.view(dq3, run.q_off, hi).copy_(gq)
+            _unfolded(run.view(dq3, run.q_off, hi), g).copy_(gq.unflatten(2, (g, run.lq)))
             run.kview(dk).add_(gk)
             run.kview(dv).add_(gv)
         return dkv

@@ -13,6 +13,11 @@ Kernels (``KERNEL_NAMES`` are the valid preferences):
 
 A query row with no visible key must carry ``lse = -inf``; plans drop segments without keys, so no kernel is asked
 for one (the CPU op would return ``lse = 0``, flash kernels ``+inf``).
+
+Optional: a kernel with a positive ``gather_limit`` attribute also implements ``prepare_gathered``,
+``gathered_forward`` and ``gathered_backward`` (see :class:`~lightning_hydra.cp.cpu_kernel.CpuKernel`): sequences
+whose padded length is at most the limit are attended once with their whole keys instead of block by block
+(:mod:`lightning_hydra.cp.ring`). The CUDA kernels do not (one varlen call per step already serves every sequence).
 """
 
 from __future__ import annotations
