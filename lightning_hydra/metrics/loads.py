@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightning_hydra.metrics.bubbles import pipeline_bubble
+from lightning_hydra.metrics.bubbles import one_f_one_b_order, pipeline_bubble
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.planner.calibration import relative_error
 
-__all__ = ["balance", "bubble_dp", "degree_histogram", "replay_step_time", "step_metrics"]
+__all__ = [
+    "balance",
+    "bubble_dp",
+    "degree_histogram",
+    "measured_pipeline_bubble",
+    "pipeline_replay",
+    "projected_pipeline_bubble",
+    "replay_step_time",
+    "step_metrics",
+]
 
 
 def balance(busy: np.ndarray) -> float:
@@ -58,6 +67,78 @@ def degree_histogram(record: StepRecord) -> dict[int, int]:
     return dict(sorted(hist.items()))
 
 
+def pipeline_replay(record: StepRecord) -> float:
+    """Makespan of a pipelined step if every rank had a core of its own: replay each rank's measured forward and
+    backward busy times in the 1F1B order of its stage.
+
+    An operation starts when its rank is free, its input has arrived (the forward of the same microbatch on the
+    previous stage, or the backward on the next stage, at the same pool position) and every member of its CP group
+    is ready (their collectives synchronise them). A rank idle in a microbatch does nothing for it.
+    """
+    assert record.forward is not None and record.backward is not None and record.stage is not None
+    stages, m_count, n = record.stages, record.num_microbatches, record.world_size
+    pool = n // stages
+    free = np.zeros(n)
+    done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, rank) -> end
+    orders = [one_f_one_b_order(s, stages, m_count) for s in range(stages)]
+    cursor = [0] * stages
+    durations = {"F": record.forward, "B": record.backward}
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(stages):
+            if cursor[s] == len(orders[s]):
+                continue
+            kind, m = orders[s][cursor[s]]
+            ranks = np.arange(s * pool, (s + 1) * pool)
+            neighbour = s - 1 if kind == "F" else s + 1
+            has_dep = 0 <= neighbour < stages
+            if has_dep and any((kind, m, r + (neighbour - s) * pool) not in done for r in ranks):
+                continue
+            ready = free[ranks].copy()
+            if has_dep:
+                ready = np.maximum(ready, [done[(kind, m, r + (neighbour - s) * pool)] for r in ranks])
+            if kind == "B":
+                ready = np.maximum(ready, [done[("F", m, r)] for r in ranks])
+            dur = durations[kind][m, ranks]
+            work = (record.forward[m, ranks] + record.backward[m, ranks]) > 0
+            start = ready.copy()
+            leaders = record.leader[m, ranks]
+            for lead in np.unique(leaders[work]):
+                members = work & (leaders == lead)
+                start[members] = ready[members].max()
+            end = np.where(work, start + dur, ready)
+            for r, e in zip(ranks.tolist(), end.tolist(), strict=True):
+                done[(kind, m, r)] = e
+            free[ranks] = np.where(work, end, free[ranks])
+            cursor[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline replay deadlocked: the record is not a 1F1B schedule")
+    return float(free.max()) if free.size else 0.0
+
+
+def measured_pipeline_bubble(record: StepRecord, *, replay: bool) -> float:
+    """``1 - busy / (ranks * makespan)`` of a pipelined step: the makespan replayed from busy times
+    (:func:`pipeline_replay`, for hosts with more ranks than cores) or from the recorded wall spans."""
+    assert record.forward is not None and record.backward is not None and record.spans is not None
+    busy = float((record.forward + record.backward).sum())
+    makespan = pipeline_replay(record) if replay else float(record.spans.max())
+    return 1.0 - busy / (record.world_size * makespan) if makespan > 0 else float("nan")
+
+
+def projected_pipeline_bubble(record: StepRecord) -> float:
+    """The bubble a 1F1B schedule would have if microbatch ``m`` took ``sum_s max_(r in s) busy[m, r]`` over the
+    stages (:func:`~lightning_hydra.metrics.bubbles.pipeline_bubble`): the projection from microbatch times that
+    data-parallel runs report as ``bubble/pp``."""
+    assert record.stage is not None
+    stages = record.stages
+    per_stage = [record.busy[:, record.stage == s].max(axis=1) for s in range(stages)]
+    times = np.sum(per_stage, axis=0).tolist()
+    return pipeline_bubble(times, stages) if any(t > 0 for t in times) else float("nan")
+
+
 def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool = False) -> dict[str, float]:
     """Every logged metric of one step (names as in DESIGN.md section 6).
 
@@ -83,6 +164,12 @@ def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool =
         "time/busy_s": float(record.busy.sum(axis=0).mean()),
         "plan/microbatches": float(record.num_microbatches),
     }
+    if record.stages > 1:
+        stages, count = record.stages, record.num_microbatches
+        out["bubble/pp"] = measured_pipeline_bubble(record, replay=replay)
+        out["bubble/pp_projected"] = projected_pipeline_bubble(record)
+        out["bubble/pp_min"] = (stages - 1) / (count + stages - 1)
+        out["plan/pipeline_stages"] = float(stages)
     for d, count in degree_histogram(record).items():
         out[f"cp/degree_hist/{d}"] = float(count)
     return out

@@ -19,8 +19,9 @@ from lightning_hydra.planner.calibration import NUM_FEATURES
 
 __all__ = ["StepGather", "StepRecord", "rank_row"]
 
-_PER_MB = 5 + NUM_FEATURES  # busy, comm, predicted, leader, degree, features...
-_TAIL = 2  # wall, schedule_ms
+_PER_MB = 11 + NUM_FEATURES  # busy, comm, predicted, leader, degree, fwd, bwd, 4 span values, features...
+_FEATURES = 11
+_TAIL = 3  # wall, schedule_ms, stage
 
 
 @dataclass
@@ -49,6 +50,20 @@ class StepRecord:
     """Labelled tokens of the global batch."""
     includes_comm: bool
     """Whether ``busy`` includes communication and waits (CUDA events) or excludes them (CPU thread time)."""
+    forward: np.ndarray | None = None
+    """``[M, N]`` busy seconds of the forward alone (``busy`` is forward plus backward)."""
+    backward: np.ndarray | None = None
+    """``[M, N]`` busy seconds of the backward alone."""
+    spans: np.ndarray | None = None
+    """``[M, N, 4]`` forward start, forward end, backward start, backward end: wall seconds since the rank's step
+    began (-1: not run; pipelined steps only)."""
+    stage: np.ndarray | None = None
+    """``[N]`` pipeline stage of every rank (all 0 without a pipeline)."""
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of the run."""
+        return int(self.stage.max()) + 1 if self.stage is not None and self.stage.size else 1
 
     @property
     def num_microbatches(self) -> int:
@@ -73,6 +88,10 @@ class StepRecord:
             "schedule_ms": self.schedule_ms,
             "trained_tokens": self.trained_tokens,
             "includes_comm": self.includes_comm,
+            "forward": None if self.forward is None else self.forward.tolist(),
+            "backward": None if self.backward is None else self.backward.tolist(),
+            "spans": None if self.spans is None else self.spans.tolist(),
+            "stage": None if self.stage is None else self.stage.astype(int).tolist(),
         }
 
     @classmethod
@@ -89,11 +108,15 @@ class StepRecord:
             predicted=per[..., 2].copy(),
             leader=per[..., 3].astype(np.int64),
             degree=per[..., 4].astype(np.int64),
-            features=per[..., 5:].copy(),
+            features=per[..., _FEATURES:].copy(),
             wall=table[:, m * _PER_MB].copy(),
             schedule_ms=float(table[:, m * _PER_MB + 1].max()),
             trained_tokens=int(trained_tokens),
             includes_comm=includes_comm,
+            forward=per[..., 5].copy(),
+            backward=per[..., 6].copy(),
+            spans=per[..., 7:11].copy(),
+            stage=table[:, m * _PER_MB + 2].astype(np.int64),
         )
 
 
@@ -105,9 +128,14 @@ def rank_row(
     features: np.ndarray,
     wall: float,
     schedule_ms: float,
+    *,
+    forward: list[float] | None = None,
+    backward: list[float] | None = None,
+    spans: list[list[float]] | None = None,
+    stage: int = 0,
 ) -> np.ndarray:
-    """This rank's row of the gathered table: per microbatch ``busy, comm, predicted, leader, degree, features``,
-    then ``wall, schedule_ms``.
+    """This rank's row of the gathered table: per microbatch ``busy, comm, predicted, leader, degree, forward,
+    backward, 4 span values, features``, then ``wall, schedule_ms, stage``.
 
     Args:
         busy: Busy seconds per microbatch.
@@ -117,6 +145,10 @@ def rank_row(
         features: ``[M, F]`` calibration features per microbatch.
         wall: Wall seconds of the step.
         schedule_ms: Milliseconds spent planning the global batch.
+        forward: Busy seconds of each forward (default: unknown, 0).
+        backward: Busy seconds of each backward (default: unknown, 0).
+        spans: Per microbatch forward start/end and backward start/end (default: not recorded, -1).
+        stage: This rank's pipeline stage.
     """
     m = len(busy)
     if not (len(comm) == len(predicted) == len(groups) == features.shape[0] == m):
@@ -125,8 +157,13 @@ def rank_row(
     per[:, 0], per[:, 1], per[:, 2] = busy, comm, predicted
     per[:, 3] = [g[0] for g in groups]
     per[:, 4] = [g[1] for g in groups]
-    per[:, 5:] = features
-    return np.concatenate([per.ravel(), [wall, schedule_ms]])
+    if forward is not None:
+        per[:, 5] = forward
+    if backward is not None:
+        per[:, 6] = backward
+    per[:, 7:11] = -1.0 if spans is None else np.asarray(spans, dtype=np.float64).reshape(m, 4)
+    per[:, _FEATURES:] = features
+    return np.concatenate([per.ravel(), [wall, schedule_ms, float(stage)]])
 
 
 class StepGather(Metric):
@@ -168,14 +205,28 @@ class StepGather(Metric):
         return table
 
 
-def step_row(batch: Any, busy: list[float], comm: list[float], wall: float, *, includes_comm: bool) -> np.ndarray:
-    """This rank's :func:`rank_row` for a :class:`~lightning_hydra.data.packing.StepBatch` and its measurements.
+def step_row(batch: Any, timing: Any, *, includes_comm: bool, offset: int = 0, stage: int = 0) -> np.ndarray:
+    """This rank's :func:`rank_row` for a :class:`~lightning_hydra.data.packing.StepBatch` and its
+    :class:`~lightning_hydra.metrics.timing.StepTiming`.
 
     The prediction of ``busy`` is the plan's: the whole predicted load when the timer includes communication,
-    its compute part (load minus predicted communication) otherwise.
+    its compute part (load minus predicted communication) otherwise. Group leaders are global ranks (``offset``:
+    the global rank of this stage's pool position 0).
     """
     features = np.asarray(batch.features, dtype=np.float64).reshape(-1, NUM_FEATURES)
     loads = np.asarray(batch.predicted_loads, dtype=np.float64)
     predicted = loads if includes_comm else loads - features[:, -1]
-    groups = [(mb.ranks[0], len(mb.ranks)) for mb in batch.microbatches]
-    return rank_row(busy, comm, predicted.tolist(), groups, features, wall, batch.schedule_ms)
+    groups = [(offset + mb.ranks[0], len(mb.ranks)) for mb in batch.microbatches]
+    return rank_row(
+        timing.busy,
+        timing.comm,
+        predicted.tolist(),
+        groups,
+        features,
+        timing.wall,
+        batch.schedule_ms,
+        forward=timing.forward or None,
+        backward=timing.backward or None,
+        spans=timing.spans or None,
+        stage=stage,
+    )

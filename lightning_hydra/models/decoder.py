@@ -5,11 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+from lightning_hydra.models.checkpointing import check_checkpointing_mode
+from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
+from lightning_hydra.models.stages import stage_layers
 
 __all__ = ["DecoderLM"]
 
@@ -23,8 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        xf = x.float()  # one float32 copy, shared by both uses (autograd keeps it once)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,33 +82,67 @@ class CPAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
         self.hydra_cp = cp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections and RoPE: ``[t, H, D]`` queries and ``[t, Hkv, D]`` keys and values."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.heads, self.head_dim)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        out = self.hydra_cp.attention(q, k, v, causal=True)
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The CP attention of this rank's shard: ``[t, H * D]`` (the only part that communicates)."""
+        return self.hydra_cp.attention(q, k, v, causal=True).reshape(q.shape[0], self.heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.core(*self.qkv(x, cos, sin)))
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: attention and SwiGLU MLP."""
+    """Pre-norm transformer block: attention and SwiGLU MLP.
+
+    With :attr:`checkpointed` (selective activation checkpointing) the block runs as three pieces: the norm,
+    projections and RoPE before attention, recomputed in backward; the CP attention, never recomputed (its output
+    and log-sum-exp are kept, so backward communicates once); the output projection, norm and MLP after it,
+    recomputed. What a block keeps per token is then its input, q/k/v and the attention's output and LSE, instead of
+    every norm and MLP intermediate.
+    """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, cp: CPContext, eps: float) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
         self.attn = CPAttention(hidden, heads, kv_heads, cp)
         self.mlp_norm = RMSNorm(hidden, eps)
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.mlp = SwiGLU(hidden, ffn)
+        self.checkpointed = False
+        """Recompute norms, projections and MLP in backward (never the attention)."""
+
+    def _before(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.attn.qkv(self.attn_norm(x), cos, sin)
+
+    def _after(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.o_proj(attended)
+        return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        if not (self.checkpointed and torch.is_grad_enabled()):
+            return self._after(x, self.attn.core(*self._before(x, cos, sin)))
+        q, k, v = checkpoint(self._before, x, cos, sin, use_reentrant=False)
+        attended = self.attn.core(q, k, v)
+        return checkpoint(self._after, x, attended, use_reentrant=False)
 
 
 class DecoderLM(HydraModule):
@@ -175,18 +213,69 @@ class DecoderLM(HydraModule):
             nn.init.normal_(module.weight, std=std)
 
     @override
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[t, vocab]`` of a packed shard (run inside a CP context: see :class:`CPContext`)."""
-        x = self.embed(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[t, vocab]`` of a packed shard, or with ``labels`` the sum of its token losses (computed in
+        chunks: the ``[t, vocab]`` float32 logits are never materialised). Run inside a CP context (see
+        :class:`CPContext`).
+
+        After :meth:`pipeline_stage` only this stage's blocks run: from ``hidden`` (the previous stage's
+        activations) unless it is the first stage, returning activations unless it is the last.
+        """
+        x = self.embed(input_ids) if hidden is None else hidden
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+            if isinstance(layer, Block):
+                x = layer(x, cos, sin)
+        if self.lm_head is None:
+            return x  # not the last pipeline stage
+        x = self.norm(x)
+        if labels is None:
+            return self.lm_head(x)
+        return chunked_cross_entropy(x, self.lm_head.weight, labels, ignore_index=IGNORE_INDEX)
 
     @override
     def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
-        logits = self(mb.input_ids, mb.position_ids)
-        return F.cross_entropy(logits.float(), mb.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return self(mb.input_ids, mb.position_ids, labels=mb.labels)
+
+    @override
+    def transformer_blocks(self) -> list[nn.Module]:
+        return [layer for layer in self.layers if isinstance(layer, Block)]
+
+    @override
+    def set_activation_checkpointing(self, mode: str) -> int:
+        check_checkpointing_mode(mode)
+        blocks = self.transformer_blocks()
+        for layer in blocks:
+            layer.checkpointed = mode == "selective"
+        return len(blocks) if mode == "selective" else 0
+
+    @override
+    def pipeline_stage(self, stage: int, stages: int) -> None:
+        h = self.hparams
+        block = sum(p.numel() for p in self.layers[0].parameters())
+        ranges = stage_layers(
+            h.num_layers, stages, block_flops=6.0 * block, head_flops=6.0 * h.vocab_size * h.hidden_size
+        )
+        keep = ranges[stage]
+        for i in range(h.num_layers):
+            if i not in keep:
+                self.layers[i] = nn.Identity()
+        if stage > 0:
+            self.embed = None
+        if stage < stages - 1:
+            self.norm = None
+            self.lm_head = None
+
+    @override
+    def stage_forward(self, mb: RankMicrobatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        labels = mb.labels if self.lm_head is not None else None
+        return self(mb.input_ids, mb.position_ids, labels=labels, hidden=hidden)
 
     @override
     def attention_heads(self) -> tuple[int | None, int | None]:

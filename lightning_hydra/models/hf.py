@@ -18,7 +18,9 @@ from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
+from lightning_hydra.models.stages import stage_layers
 
 __all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf"]
 
@@ -119,17 +121,103 @@ class HFCausalLM(HydraModule):
                 config = AutoConfig.for_model(**config)
             model = AutoModelForCausalLM.from_config(config)
         self.model = model
+        self._stages: tuple[int, int] | None = None
         apply_hf(self.model, self.local_cp)
 
+    def _plain_head(self) -> nn.Linear | None:
+        """The LM head when logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or scaling), so the
+        loss can be chunked; ``None`` otherwise."""
+        head = self.model.get_output_embeddings()
+        config = self.model.config
+        plain = getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) in (
+            None,
+            1.0,
+        )
+        if isinstance(head, nn.Linear) and head.bias is None and plain and hasattr(self.model, "base_model"):
+            return head
+        return None
+
     @override
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[t, vocab]`` of a packed shard (inside a CP context)."""
-        return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[t, vocab]`` of a packed shard, or with ``labels`` the sum of its token losses (chunked over
+        tokens when the head allows it: no ``[t, vocab]`` float32 logits). Run inside a CP context. After
+        :meth:`pipeline_stage`, this stage's layers only (see :class:`~lightning_hydra.HydraModule`)."""
+        if self._stages is not None:
+            return self._stage_run(input_ids, position_ids, labels, hidden)
+        head = self._plain_head() if labels is not None else None
+        if head is None:
+            logits = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+            if labels is None:
+                return logits
+            return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        base = self.model.base_model
+        hidden = base(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).last_hidden_state
+        return chunked_cross_entropy(hidden[0], head.weight, labels, ignore_index=IGNORE_INDEX)
 
     @override
     def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
-        logits = self(mb.input_ids, mb.position_ids)
-        return F.cross_entropy(logits.float(), mb.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return self(mb.input_ids, mb.position_ids, labels=mb.labels)
+
+    # ------------------------------------------------------------------ pipeline stages (Llama-family layout)
+    def _decoder(self) -> nn.Module:
+        base = getattr(self.model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(self.model, "lm_head"):
+            raise NotImplementedError(
+                f"{type(self.model).__name__} does not have the Llama-family layout (model.embed_tokens, "
+                "model.layers, model.norm, model.rotary_emb, lm_head) that pipeline stages split"
+            )
+        return base
+
+    @override
+    def pipeline_stage(self, stage: int, stages: int) -> None:
+        base = self._decoder()
+        if stages > 1 and getattr(self.model.config, "tie_word_embeddings", False):
+            raise ValueError("a model with tied input and output embeddings cannot be split into pipeline stages")
+        layers = base.layers
+        block = sum(p.numel() for p in layers[0].parameters())
+        c = self.model.config
+        ranges = stage_layers(
+            len(layers), stages, block_flops=6.0 * block, head_flops=6.0 * c.vocab_size * c.hidden_size
+        )
+        keep = ranges[stage]
+        for i in range(len(layers)):
+            if i not in keep:
+                layers[i] = nn.Identity()
+        if stage > 0:
+            base.embed_tokens = None
+        if stage < stages - 1:
+            base.norm = None
+            self.model.lm_head = None
+        self._stages = (stage, stages)
+
+    def _stage_run(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None, hidden
+    ) -> torch.Tensor:
+        base = self._decoder()
+        x = base.embed_tokens(input_ids[None]) if hidden is None else hidden[None]
+        positions = position_ids[None]
+        embeddings = base.rotary_emb(x, position_ids=positions)
+        for layer in base.layers:
+            if not isinstance(layer, nn.Identity):
+                x = layer(x, attention_mask=None, position_embeddings=embeddings, position_ids=positions)
+        if self.model.lm_head is None:
+            return x[0]
+        x = base.norm(x)[0]
+        if labels is None:
+            return self.model.lm_head(x)
+        return chunked_cross_entropy(x, self.model.lm_head.weight, labels, ignore_index=IGNORE_INDEX)
+
+    @override
+    def stage_forward(self, mb: RankMicrobatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        labels = mb.labels if self.model.lm_head is not None else None
+        return self(mb.input_ids, mb.position_ids, labels=labels, hidden=hidden)
 
     @override
     def attention_heads(self) -> tuple[int | None, int | None]:

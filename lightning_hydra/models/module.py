@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
@@ -20,7 +21,13 @@ from lightning_hydra.data.datamodule import resolve
 from lightning_hydra.data.packing import RankMicrobatch, StepBatch
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
-from lightning_hydra.planner import CostModel
+from lightning_hydra.models.checkpointing import (
+    apply_selective_checkpointing,
+    check_checkpointing_mode,
+    largest_module_list,
+    remove_selective_checkpointing,
+)
+from lightning_hydra.planner import CostModel, Group
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
@@ -96,6 +103,22 @@ class HydraModule(pl.LightningModule):
         """The analytic cost model of this model's shape (the planner's default; calibration refines it)."""
         return CostModel.for_transformer(**self.model_shape(), flops_per_second=self.flops_per_second, **CPU_LINKS)
 
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The repeated blocks (sharded one by one, checkpointed selectively); default: the children of the
+        ``nn.ModuleList`` holding the most parameters."""
+        return largest_module_list(self)
+
+    def set_activation_checkpointing(self, mode: str) -> int:
+        """Turn selective activation checkpointing on (``"selective"``) or off (``"none"``); returns how many units
+        recompute. Default: the MLPs and norms of every transformer block (see
+        :mod:`lightning_hydra.models.checkpointing`); models with a finer split override it."""
+        check_checkpointing_mode(mode)
+        blocks = self.transformer_blocks()
+        if mode == "none":
+            remove_selective_checkpointing(blocks)
+            return 0
+        return apply_selective_checkpointing(blocks)
+
     # ------------------------------------------------------------------ runtime
     def runtime(self) -> HydraRuntime:
         """The runtime this module trains in: the :class:`~lightning_hydra.HydraStrategy`'s pool, or one process."""
@@ -123,6 +146,8 @@ class HydraModule(pl.LightningModule):
         runtime's gradient sync); nothing here waits on the device before the step's end.
         """
         runtime = self.runtime()
+        if runtime.stages > 1:
+            return self._run_pipelined(batch, train)
         context = self._context()
         timer = MicrobatchTimer(self.device)
         comm: list[float] = []
@@ -133,14 +158,17 @@ class HydraModule(pl.LightningModule):
         last = len(batch.microbatches) - 1
         for index, mb in enumerate(batch.microbatches):
             if mb.num_tokens == 0:
-                timer.skip()  # this rank's group is idle in this microbatch
-                comm.append(0.0)
-                continue
+                if not runtime.must_run(index, last, train=train):
+                    timer.skip()  # this rank's group is idle in this microbatch
+                    comm.append(0.0)
+                    continue
+                mb = self._zero_token_microbatch(runtime.global_rank)  # sharded state: take part in FSDP's collectives
             group = runtime.group(mb.group)
             before = group.clock.seconds
             timer.start()
             with context.use(group, mb.cu_seqlens):
                 loss_sum = self.microbatch_loss(mb)
+            timer.mark()
             if sync is not None:
                 if index == last:
                     sync.arm()
@@ -150,8 +178,51 @@ class HydraModule(pl.LightningModule):
             total += loss_sum.detach().double()
         if sync is not None:
             sync.finish()
-        self.last_timing = StepTiming(busy=timer.read(), comm=comm)
+        else:
+            runtime.end_forward_only()
+        forward, backward = timer.read_split()
+        busy = [f + b for f, b in zip(forward, backward, strict=True)]
+        self.last_timing = StepTiming(busy=busy, comm=comm, forward=forward, backward=backward)
         return runtime.all_sum(total) / max(batch.trained_tokens, 1)
+
+    def _run_pipelined(self, batch: StepBatch, train: bool) -> torch.Tensor:
+        """This rank's pipeline stage under 1F1B (see :mod:`lightning_hydra.strategy.pipeline`)."""
+        from lightning_hydra.strategy.pipeline import run_pipeline
+
+        runtime = self.runtime()
+        result = run_pipeline(self, batch, runtime, train=train, hidden_size=self.pipeline_width())
+        line = result.timeline
+        busy = [f + b for f, b in zip(line.fwd_busy, line.bwd_busy, strict=True)]
+        self.last_timing = StepTiming(
+            busy=busy, comm=result.comm, forward=line.fwd_busy, backward=line.bwd_busy, spans=line.spans
+        )
+        return runtime.all_sum(result.loss_sum) / max(batch.trained_tokens, 1)  # the loss lives on the last stage
+
+    # ------------------------------------------------------------------ pipeline stages
+    def pipeline_stage(self, stage: int, stages: int) -> None:
+        """Keep only stage ``stage`` of ``stages`` of this model (its parameters; the rest is dropped), so that
+        :meth:`stage_forward` runs it. Models that support pipelines override it (see
+        :mod:`lightning_hydra.strategy.pipeline`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be split into pipeline stages: implement pipeline_stage() and "
+            "stage_forward() (DecoderLM and HFCausalLM do)"
+        )
+
+    def stage_forward(self, mb: RankMicrobatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Run this model's stage on a microbatch shard: from token ids on the first stage (``hidden`` is
+        ``None``), from the previous stage's ``[t, width]`` activations otherwise; returns the activations for the
+        next stage, or on the last stage the sum of the token losses."""
+        raise NotImplementedError(f"{type(self).__name__} has no stage_forward()")
+
+    def pipeline_width(self) -> int:
+        """Width of the activations passed between stages (the model's hidden size)."""
+        return int(self.model_shape()["hidden_size"])  # type: ignore[arg-type]
+
+    def _zero_token_microbatch(self, rank: int) -> RankMicrobatch:
+        """An empty microbatch on this rank alone (degree 1): a forward and backward that compute nothing but run
+        every module's hooks (sharded state gathers and reduces parameters in them)."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        return RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), Group((rank,), 1, 1), ())
 
     # ------------------------------------------------------------------ Lightning hooks
     @override

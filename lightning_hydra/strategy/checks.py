@@ -36,7 +36,8 @@ def check_digests(
     """
     mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
     gathered = torch.zeros(world_size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.12
+    gather(gathered, mine, group=group)
     values = gathered.tolist()
     odd = [r for r, v in enumerate(values) if v != values[0]]
     if odd:

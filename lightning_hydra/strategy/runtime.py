@@ -34,10 +34,21 @@ from lightning_hydra.metrics.record import StepGather, StepRecord, step_row
 from lightning_hydra.metrics.timing import StepTiming
 from lightning_hydra.planner import CostModel, DegreeRules, Group, Plan, PlannerConfig, shard_tokens
 from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator
+from lightning_hydra.planner.memory import ModelMemoryShape
 from lightning_hydra.strategy.checks import check_digests, check_fits
 from lightning_hydra.strategy.gradients import GradientReducer
+from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.sharding import ShardedGradientSync, ShardingPlan
 
-__all__ = ["GradientSync", "HydraRuntime", "LocalRuntime", "PoolRuntime", "model_cost", "model_heads"]
+__all__ = [
+    "GradientSync",
+    "HydraRuntime",
+    "LocalRuntime",
+    "PoolRuntime",
+    "memory_shape",
+    "model_cost",
+    "model_heads",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +67,24 @@ def model_cost(module: Any) -> CostModel:
     return make()
 
 
+def memory_shape(module: Any) -> ModelMemoryShape:
+    """The memory model's view of a :class:`~lightning_hydra.HydraModule`: its shape and parameter count."""
+    shape = getattr(module, "model_shape", None)
+    if not callable(shape):
+        raise TypeError(f"{type(module).__name__} has no model_shape(): subclass lightning_hydra.HydraModule")
+    s = dict(shape())
+    hidden, heads = int(s["hidden_size"]), int(s["num_heads"])
+    return ModelMemoryShape(
+        num_params=sum(p.numel() for p in module.parameters() if p.requires_grad),
+        hidden_size=hidden,
+        num_layers=int(s["num_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(s.get("num_kv_heads") or heads),
+        ffn_hidden_size=int(s.get("ffn_hidden_size") or 4 * hidden),
+        vocab_size=int(s.get("vocab_size") or 32000),
+    )
+
+
 class GradientSync(Protocol):
     """How a step's gradients become the pool's sum: ``begin`` at the start of the step, ``arm`` before the last
     microbatch's backward, ``finish`` after the last microbatch."""
@@ -69,6 +98,10 @@ class GradientSync(Protocol):
     def finish(self) -> None:
         """Complete the sum (blocking)."""
 
+    def must_run(self, index: int, last: int) -> bool:
+        """Whether a rank idle in microbatch ``index`` (of ``0..last``) must still run a zero-token pass so that
+        its collectives line up with the other ranks'."""
+
 
 class _NoSync:
     """Gradient sync of one process: nothing to do."""
@@ -81,6 +114,10 @@ class _NoSync:
 
     def finish(self) -> None:
         """Nothing."""
+
+    def must_run(self, index: int, last: int) -> bool:
+        """Never."""
+        return False
 
 
 class HydraRuntime(ABC):
@@ -118,6 +155,12 @@ class HydraRuntime(ABC):
         """Every rank's measurements of the last training step (the same on every rank)."""
         self.measure_seconds = 0.0
         """Wall seconds the last :meth:`finish_step` took (gathering and calibration: the cost of measuring)."""
+        self.stage = 0
+        """This rank's pipeline stage (0 without a pipeline)."""
+        self.stages = 1
+        """Pipeline stages of the run."""
+        self.offset = 0
+        """Global rank of this stage's pool position 0."""
 
     # ------------------------------------------------------------------ the model and its cost
     def bind(self, module: nn.Module) -> None:
@@ -175,6 +218,15 @@ class HydraRuntime(ABC):
     def gradient_sync(self, module: nn.Module) -> GradientSync:
         """The gradient sum of this step for ``module``'s parameters."""
 
+    def must_run(self, index: int, last: int, *, train: bool) -> bool:
+        """Whether a rank idle in microbatch ``index`` must run a zero-token pass (sharded state: its collectives
+        must line up); ``False`` for replicas."""
+        return False
+
+    def end_forward_only(self) -> None:
+        """After a forward-only step (validation): release what it left gathered (nothing for replicas)."""
+        return None
+
     @abstractmethod
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum of a tensor over the pool."""
@@ -215,7 +267,13 @@ class HydraRuntime(ABC):
         """
         start = time.perf_counter()
         includes = self.timer_includes_comm
-        row = step_row(batch, timing.busy, timing.comm, timing.wall, includes_comm=includes)
+        row = step_row(
+            batch,
+            timing,
+            includes_comm=includes,
+            offset=self.offset,
+            stage=self.stage,
+        )
         table = self._gather_rows(row)
         record = StepRecord.from_table(
             table,
@@ -286,36 +344,75 @@ class LocalRuntime(HydraRuntime):
 
 
 class PoolRuntime(HydraRuntime):
-    """The dynamic-CP pool of a :class:`~lightning_hydra.HydraStrategy` (every rank of the default process group).
+    """The dynamic-CP pool of a :class:`~lightning_hydra.HydraStrategy`: the whole world, or with pipeline stages
+    one stage's ranks (:class:`~lightning_hydra.strategy.pipeline.PipelineLayout`).
 
-    Owns the communicators (:class:`~lightning_hydra.cp.GroupCache`, created once at :meth:`setup` for every
-    aligned Ulysses block the pool can use, warmed up, destroyed by :meth:`close`), the gradient reducer, and the
-    per-step measurement gather.
+    ``global_rank`` and ``world_size`` are this rank's pool position and the pool's size (what plans are made
+    for); ``world_rank`` is the rank in the default process group. Owns the communicators
+    (:class:`~lightning_hydra.cp.GroupCache`, created once at :meth:`setup` for every aligned Ulysses block of every
+    stage's pool, warmed up, destroyed by :meth:`close`), the gradient reducer (over the stage's pool), and the
+    per-step measurement gather (over the world).
     """
 
-    def __init__(self, *, backend: str | None = None, local_world_size: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        backend: str | None = None,
+        local_world_size: int = 1,
+        layout: PipelineLayout | None = None,
+        world_rank: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Args:
         backend: Backend of the CP groups (default: the world's).
         local_world_size: Ranks on this host (for :attr:`oversubscribed`).
+        layout: Pipeline stages x pool (default: one stage of ``world_size`` ranks).
+        world_rank: This rank in the default process group (default: ``global_rank``).
         **kwargs: See :class:`HydraRuntime`.
         """
         super().__init__(**kwargs)
+        self.layout = layout if layout is not None else PipelineLayout(stages=1, pool=self.world_size)
+        if self.layout.pool != self.world_size:
+            raise ValueError(f"the pool has {self.world_size} ranks but the layout's stages have {self.layout.pool}")
+        self.world_rank = self.global_rank if world_rank is None else world_rank
+        self.stage = self.layout.stage(self.world_rank)
+        self.stages = self.layout.stages
+        self.offset = self.stage * self.layout.pool
+        """Global rank of this stage's pool position 0."""
+        self.stage_group: dist.ProcessGroup | None = None
+        """The stage's pool as a process group (``None``: the world, with one stage)."""
         self.cache = GroupCache(backend=backend)
         self.local_world_size = local_world_size
         self._reducer: GradientReducer | None = None
         self._reducer_params: list[int] = []
         self._gather: StepGather | None = None
+        self.sharding: ShardingPlan | None = None
+        """The sharded model (``None``: replicas), set by the strategy at set-up."""
+        self._sharded_sync: ShardedGradientSync | None = None
         self.closed = False
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self) -> int:
         """Create (collectively, in one global order) and warm up the communicators of every aligned Ulysses block
-        the pool can use; a second call creates none. Returns how many were created."""
-        blocks = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
-        made = self.cache.create(blocks)
+        every stage's pool can use, and each stage's pool group; a second call creates none. Returns how many CP
+        communicators were created."""
+        local = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
+        offsets = [s * self.layout.pool for s in range(self.layout.stages)]
+        made = self.cache.create(tuple(o + r for r in block) for o in offsets for block in local)
         if made:
-            self.cache.warm_up(self.global_rank, self.device)
+            self.cache.warm_up(self.world_rank, self.device)
+        if self.layout.stages > 1 and self.stage_group is None:
+            for s in range(self.layout.stages):  # every rank creates every stage's group, in order
+                pg = dist.new_group(list(self.layout.stage_ranks(s)))
+                if s == self.stage:
+                    self.stage_group = pg
         return made
+
+    def to_global(self, record: Group) -> Group:
+        """A plan's group (pool positions) as global ranks of this stage."""
+        if not self.offset:
+            return record
+        return Group(tuple(self.offset + r for r in record.ranks), record.ulysses, record.ring, record.seq_ids)
 
     def close(self) -> int:
         """Destroy the communicators and hooks (collective on NCCL); returns how many groups were destroyed."""
@@ -364,26 +461,48 @@ class PoolRuntime(HydraRuntime):
         world = getattr(batch, "world_size", self.world_size)
         if world != self.world_size:
             raise RuntimeError(f"the batch was planned for {world} ranks, but the pool has {self.world_size}")
-        check_digests(batch.digest, self.world_size, device=self.device)
-        made = self.cache.prepare(batch.groups)
+        check_digests(batch.digest, self.layout.world_size, device=self.device)  # every stage: the same plan
+        offsets = [s * self.layout.pool for s in range(self.layout.stages)]
+        made = self.cache.prepare(
+            Group(tuple(o + r for r in g.ranks), g.ulysses, g.ring) for o in offsets for g in batch.groups
+        )
         if made:
             log.warning("HydraStrategy created %d communicators inside a step (a plan used an unaligned block)", made)
-            self.cache.warm_up(self.global_rank, self.device)
+            self.cache.warm_up(self.world_rank, self.device)
 
     def group(self, record: Group) -> CPGroup:
-        """The communicator handle of a group of the current plan."""
-        return self.cache.get(record)
+        """The communicator handle of a group of the current plan (pool positions of this stage)."""
+        return self.cache.get(self.to_global(record))
 
     def gradient_sync(self, module: nn.Module) -> GradientSync:
-        """The bucketed gradient sum of ``module``'s parameters (built once; rebuilt if the parameters change)."""
+        """FSDP's reduce-scatter for a sharded model; otherwise the bucketed gradient sum of ``module``'s parameters
+        (built once; rebuilt if the parameters change)."""
+        if self.sharding is not None:
+            if self._sharded_sync is None or self._sharded_sync.plan is not self.sharding:
+                self._sharded_sync = ShardedGradientSync(self.sharding)
+            return self._sharded_sync
         params = [p for p in module.parameters() if p.requires_grad]
         ids = [id(p) for p in params]
         if self._reducer is None or ids != self._reducer_params:
             if self._reducer is not None:
                 self._reducer.remove()
-            self._reducer = GradientReducer(params)
+            self._reducer = GradientReducer(params, group=self.stage_group)
             self._reducer_params = ids
         return self._reducer
+
+    def must_run(self, index: int, last: int, *, train: bool) -> bool:
+        """Sharded state: training follows the mode (the last microbatch, or every one under zero3); a forward-only
+        step runs every microbatch (every forward may gather parameters)."""
+        if self.sharding is None:
+            return False
+        if not train:
+            return True
+        return self.gradient_sync(self.module).must_run(index, last)  # type: ignore[arg-type]
+
+    def end_forward_only(self) -> None:
+        """Reshard a sharded model after validation (zero2 keeps parameters gathered after a forward)."""
+        if self.sharding is not None:
+            ShardedGradientSync(self.sharding).reshard()
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum of a tensor over the pool."""
@@ -392,14 +511,14 @@ class PoolRuntime(HydraRuntime):
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
-        out: list[Any] = [None] * self.world_size
+        """Every rank's ``obj`` (the whole world, every stage), in rank order."""
+        out: list[Any] = [None] * self.layout.world_size
         dist.all_gather_object(out, obj)
         return out
 
     def _gather_rows(self, row: np.ndarray) -> np.ndarray:
         if self._gather is None or self._gather.row_size != row.size:
-            self._gather = StepGather(self.world_size, row.size).to(self.device)
+            self._gather = StepGather(self.layout.world_size, row.size).to(self.device)
         self._gather.reset()
         self._gather.update(row)
         return self._gather.compute().cpu().numpy()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -23,6 +26,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -33,10 +37,15 @@ from typing_extensions import override
 from lightning_hydra.cp import CPContext, apply_cp, remove_cp
 from lightning_hydra.cp.kernels import KERNEL_NAMES
 from lightning_hydra.metrics.record import StepRecord
+from lightning_hydra.models.checkpointing import check_checkpointing_mode
 from lightning_hydra.planner import POLICIES, CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
+from lightning_hydra.planner.memory import MemoryBreakdown, memory_capacity, parse_bytes
+from lightning_hydra.strategy.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from lightning_hydra.strategy.checks import check_fits, check_pool
-from lightning_hydra.strategy.runtime import PoolRuntime, model_heads
+from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.runtime import PoolRuntime, memory_shape, model_heads
+from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model
 
 __all__ = ["HydraStrategy"]
 
@@ -86,7 +95,7 @@ class HydraStrategy(ParallelStrategy):
     def __init__(
         self,
         policy: str = "hydra",
-        max_tokens_per_rank: int = 4096,
+        max_tokens_per_rank: int | Literal["auto"] = 4096,
         num_microbatches: int = 1,
         ranks_per_node: int = 8,
         ulysses_degree: int | Literal["auto"] = "auto",
@@ -96,6 +105,10 @@ class HydraStrategy(ParallelStrategy):
         calibrate: bool = False,
         calibration: CostCalibrator | None = None,
         monitor: Any = True,
+        sharding: str = "none",
+        activation_checkpointing: str = "none",
+        memory_budget: int | float | str | None = None,
+        pipeline_stages: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -107,7 +120,10 @@ class HydraStrategy(ParallelStrategy):
     ) -> None:
         """Args:
         policy: ``"hydra"`` (load-driven), ``"mcore"`` (Megatron-Core Dynamic-CP) or ``"static"`` (fixed degree).
-        max_tokens_per_rank: Tokens one rank may hold in one microbatch (the memory limit).
+        max_tokens_per_rank: Tokens one rank may hold in one microbatch (the memory limit), or ``"auto"``: what the
+            memory model (:mod:`lightning_hydra.planner.memory`) leaves of ``memory_budget`` (default: the device's
+            memory) after model state, communicators and a margin, divided by activation bytes per token; the
+            breakdown is printed at set-up. An explicit number always wins.
         num_microbatches: Microbatches per optimizer step (gradient accumulation).
         ranks_per_node: Ranks per node (Ulysses all-to-alls stay inside a node).
         ulysses_degree: Cap on the Ulysses degree, or ``"auto"`` (the node size, within the heads).
@@ -120,6 +136,17 @@ class HydraStrategy(ParallelStrategy):
         calibration: Settings of the refit (window, ridge, guards); default ``CostCalibrator()``.
         monitor: ``True`` adds a :class:`~lightning_hydra.BubbleMonitor` unless the trainer has one, a
             ``BubbleMonitor`` instance is added as given, ``False`` adds none (measurements are still gathered).
+        sharding: ``"none"`` (a replica per rank), ``"zero2"``, ``"zero3"`` or ``"hsdp"``: FSDP2 over the pool
+            (see :mod:`lightning_hydra.strategy.sharding`). Under ``precision="bf16-mixed"`` FSDP computes in bf16
+            from float32 master weights and reduces gradients in float32.
+        activation_checkpointing: ``"none"`` or ``"selective"``: recompute norms and MLPs in backward, never the
+            CP attention (see :mod:`lightning_hydra.models.checkpointing`).
+        memory_budget: Bytes per rank for ``max_tokens_per_rank="auto"`` (a number or a string such as
+            ``"80GB"``); default the device's memory (CUDA) or the host's memory shared by its ranks (CPU).
+        pipeline_stages: Pipeline stages ``P``: the world is ``P`` stages x a pool of ``world / P`` ranks (stage
+            ``s`` = global ranks ``[s * pool, (s + 1) * pool)``), every stage plans the same global batch onto its
+            pool and runs our 1F1B schedule; see :mod:`lightning_hydra.strategy.pipeline`. The model must split
+            (``pipeline_stage``/``stage_forward``: DecoderLM and Llama-family HFCausalLM do).
         accelerator: The accelerator (set by the Trainer).
         parallel_devices: Devices of this node's ranks (set by the Trainer).
         cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -150,9 +177,24 @@ class HydraStrategy(ParallelStrategy):
             _positive_int("max_ring", max_ring)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
+        if sharding not in SHARDING_MODES:
+            raise ValueError(f"unknown sharding {sharding!r}; choose one of {list(SHARDING_MODES)}")
+        check_checkpointing_mode(activation_checkpointing)
+        self.auto_capacity = max_tokens_per_rank == "auto"
+        """Whether ``max_tokens_per_rank`` is resolved from the memory model at set-up."""
+        if not self.auto_capacity:
+            _positive_int("max_tokens_per_rank (or 'auto')", max_tokens_per_rank)
+        self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
+        self.layout: PipelineLayout | None = None
+        """Stages x pool (after set-up)."""
+        self.sharding = sharding
+        self.activation_checkpointing = activation_checkpointing
+        self.memory_budget = parse_bytes(memory_budget) if memory_budget is not None else None
+        self.memory: MemoryBreakdown | None = None
+        """The memory model's breakdown behind an ``"auto"`` capacity (after set-up)."""
         self.planner_config = PlannerConfig(
             policy=policy,
-            max_tokens_per_rank=_positive_int("max_tokens_per_rank", max_tokens_per_rank),
+            max_tokens_per_rank=1 if self.auto_capacity else int(max_tokens_per_rank),
             num_microbatches=_positive_int("num_microbatches", num_microbatches),
             ranks_per_node=_positive_int("ranks_per_node", ranks_per_node),
             max_ulysses=None if ulysses_degree == "auto" else int(ulysses_degree),
@@ -170,6 +212,7 @@ class HydraStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._wrapped = 0
+        self._staged = False
         self._restored_cost: CostModel | None = None
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -220,7 +263,7 @@ class HydraStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _SpawnLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         """Global rank and world size from the node rank, the local rank and the node's devices."""
@@ -231,6 +274,7 @@ class HydraStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        configure_cuda_allocator(self.root_device)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -241,16 +285,20 @@ class HydraStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        check_pool(self.world_size, self.planner_config.ranks_per_node)
+        self.layout = PipelineLayout.of_world(self.world_size, self.pipeline_stages)
+        check_pool(self.layout.pool, self.planner_config.ranks_per_node)
         self._setup_runtime()
 
     def _setup_runtime(self) -> None:
         if self.runtime is None or self.runtime.closed:
+            assert self.layout is not None
             self.runtime = PoolRuntime(
                 planner_config=self.planner_config,
                 device=self.root_device,
-                global_rank=self.global_rank,
-                world_size=self.world_size,
+                global_rank=self.layout.position(self.global_rank),
+                world_size=self.layout.pool,
+                layout=self.layout,
+                world_rank=self.global_rank,
                 calibrate=self.calibrate,
                 calibrator=self.calibrator,
                 backend=self._process_group_backend,
@@ -268,6 +316,46 @@ class HydraStrategy(ParallelStrategy):
                 f"HydraStrategy: created {made} CP communicators ({len(cache.member_of(self.global_rank))} on rank "
                 f"{self.global_rank}) in {cache.setup_seconds:.2f} s"
             )
+        if self.auto_capacity:
+            self._resolve_capacity(len(cache.member_of(self.global_rank)))
+
+    def memory_breakdown(self, ulysses_blocks: int = 3) -> MemoryBreakdown:
+        """The memory model of this strategy's pool, model, precision, sharding and checkpointing (pure)."""
+        module = self.lightning_module
+        shape = memory_shape(module)
+        if self.memory_budget is not None:
+            budget = float(self.memory_budget)
+        elif self.root_device.type == "cuda":
+            budget = float(torch.cuda.get_device_properties(self.root_device).total_memory)
+        else:
+            budget = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(self.num_processes, 1)
+        return memory_capacity(
+            shape,
+            budget=budget,
+            sharding=self.sharding,
+            precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+            checkpointing=self.activation_checkpointing,
+            world_size=self.world_size // self.pipeline_stages,
+            ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size // self.pipeline_stages),
+            num_microbatches=self.planner_config.num_microbatches,
+            optimizer=getattr(module, "optimizer_name", "adamw"),
+            ulysses_blocks=ulysses_blocks,
+            communicator_bytes=0.5e9 if self.root_device.type == "cuda" else 0.0,
+            pipeline_stages=self.pipeline_stages,
+        )
+
+    def _resolve_capacity(self, ulysses_blocks: int) -> None:
+        self.memory = self.memory_breakdown(ulysses_blocks)
+        rank_zero_info(
+            "HydraStrategy: max_tokens_per_rank='auto' from the memory model\n  " + "\n  ".join(self.memory.lines())
+        )
+        if self.memory.capacity < 1:
+            raise ValueError(
+                f"the model state does not fit: {self.memory.available / 2**30:.1f} GiB left for activations out of "
+                f"{self.memory.budget / 2**30:.1f} GiB with sharding={self.sharding!r}; shard the state "
+                "(sharding='zero2', 'zero3' or 'hsdp'), add ranks, or raise memory_budget"
+            )
+        self.planner_config.max_tokens_per_rank = self.memory.capacity
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -277,11 +365,115 @@ class HydraStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         sync_module_states(self.model, self.root_device)
+        if self.pipeline_stages > 1 and self.runtime is not None and not self._staged:
+            split = getattr(self.model, "pipeline_stage", None)
+            if not callable(split):
+                raise TypeError(f"{type(self.model).__name__} cannot be split into stages: subclass HydraModule")
+            split(self.runtime.stage, self.pipeline_stages)
+            self._staged = True
+            rank_zero_info(f"HydraStrategy: {self.pipeline_stages} pipeline stages of {self.runtime.world_size} ranks")
+        self._setup_memory(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_memory(self, model: nn.Module) -> None:
+        """Selective activation checkpointing, then FSDP2 sharding over the pool (sharding needs the replicas
+        identical, which they are after :func:`sync_module_states`)."""
+        if self.activation_checkpointing != "none":
+            toggle = getattr(model, "set_activation_checkpointing", None)
+            if not callable(toggle):
+                raise TypeError(f"{type(model).__name__} cannot checkpoint activations: subclass HydraModule")
+            units = toggle(self.activation_checkpointing)
+            rank_zero_info(f"HydraStrategy: selective activation checkpointing in {units} places")
+        if self.sharding == "none":
+            return
+        assert self.runtime is not None
+        if self.runtime.sharding is not None:
+            return  # a second fit of the same strategy: the model is sharded already
+        assert self.layout is not None
+        mesh = build_mesh(
+            self.sharding,
+            self.layout.pool,
+            min(self.planner_config.ranks_per_node, self.layout.pool),
+            self.root_device.type,
+            stages=self.layout.stages,
+        )
+        mixed = str(getattr(self.precision_plugin, "precision", "")) == "bf16-mixed"
+        self.runtime.sharding = shard_model(model, self.sharding, mesh, mixed_precision=mixed)
+        rank_zero_info(
+            f"HydraStrategy: {self.sharding} over {self.world_size} ranks, "
+            f"{len(self.runtime.sharding.modules)} sharded modules"
+            + (", bf16 compute from float32 master weights" if mixed else "")
+        )
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether a rank holds only part of the training state (sharding, or pipeline stages): checkpoints are
+        then ``torch.distributed.checkpoint`` directories."""
+        return self.sharding != "none" or self.pipeline_stages > 1
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self.is_sharded  # a sharded checkpoint loads into the sharded model and optimizer
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self.is_sharded
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self.is_sharded:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self.is_sharded:
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self.is_sharded:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self.is_sharded:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The model's full (unsharded, CPU) state dict on every rank (collective when sharded or staged)."""
+        assert self.model is not None
+        if not self.is_sharded:
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.sharding != "none":
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            mine = get_model_state_dict(self.model, options=options)
+        else:
+            mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.pipeline_stages == 1:
+            return mine
+        assert self.layout is not None and self.runtime is not None
+        parts: list[Any] = [None] * self.world_size  # every stage's part, from its pool position 0
+        dist.all_gather_object(parts, mine if self.runtime.global_rank == 0 else {})
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
 
     @override
     def model_to_device(self) -> None:
@@ -355,7 +547,10 @@ class HydraStrategy(ParallelStrategy):
 
     def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:
         """Raise ``ValueError`` when the data cannot be planned onto this strategy's pool (no process group needed;
-        see :func:`lightning_hydra.strategy.checks.check_fits`)."""
+        see :func:`lightning_hydra.strategy.checks.check_fits`). With ``max_tokens_per_rank="auto"`` the capacity
+        is known only after set-up, and the check waits for it."""
+        if self.auto_capacity and self.memory is None:
+            return
         check_fits(
             self.planner_config,
             self.world_size,
@@ -396,11 +591,28 @@ class HydraStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         checkpoint["hydra"] = {"cost_model": self.cost_model.to_dict(), "calibrator": self.calibrator.state_dict()}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self.is_sharded:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("HydraStrategy writes sharded checkpoints itself: storage_options is not supported")
+        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), global_rank=self.global_rank)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and is_sharded_checkpoint(filepath):
+            shutil.rmtree(filepath)
+        elif not self.is_sharded:
+            super().remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.is_sharded:
+            path = self.broadcast(checkpoint_path)
+            assert self.model is not None
+            checkpoint = load_sharded_checkpoint(path, self.model, list(self.optimizers))
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get("hydra")
         if saved is not None and self.calibrate:
             cost = CostModel.from_dict(saved["cost_model"])
@@ -411,6 +623,35 @@ class HydraStrategy(ParallelStrategy):
             self.calibrator.load_state_dict(saved["calibrator"])
             rank_zero_info("HydraStrategy: restored the calibrated cost model from the checkpoint")
         return checkpoint
+
+
+class _SpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, returning the full (unsharded) weights of a sharded model to the main process."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        strategy = self._strategy
+        if not getattr(strategy, "is_sharded", False):
+            return super()._collect_rank_zero_results(trainer, results)
+        state_dict = strategy.full_state_dict()  # collective: every rank takes part
+        if strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(None, weights_path, trainer.state, results, extra)
+
+
+def configure_cuda_allocator(device: torch.device) -> bool:
+    """On CUDA, turn on ``expandable_segments`` (shapes change every step; the caching allocator fragments) unless
+    the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``). Returns whether it
+    did. Not yet run on a GPU."""
+    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return False
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return True
 
 
 HydraStrategy.register_strategies(StrategyRegistry)

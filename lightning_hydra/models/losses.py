@@ -1,0 +1,100 @@
+"""A cross-entropy over the LM head that never materialises ``[tokens, vocab]`` float32 logits.
+
+``chunked_cross_entropy(hidden, weight, labels)`` equals
+``F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100, reduction="sum")`` (the logits rounded to
+the compute dtype first, as an unchunked LM head would produce them), computed over chunks of tokens: the forward
+keeps only ``hidden`` and ``weight``; the backward recomputes each chunk's logits. At Llama-3's vocabulary of
+128K, 8K tokens of float32 logits are 4 GB; a chunk holds at most :data:`LOGIT_BYTES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LOGIT_BYTES", "chunked_cross_entropy"]
+
+LOGIT_BYTES = 1 << 28
+"""Bytes of float32 logits one chunk may hold (256 MiB)."""
+
+
+def _chunk_tokens(vocab: int, chunk_tokens: int | None) -> int:
+    return chunk_tokens if chunk_tokens else max(16, LOGIT_BYTES // (4 * max(vocab, 1)))
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        chunk: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        w = weight.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk].to(dtype)
+            lab = labels[start : start + chunk]
+            logits = (h @ w.t()).float()
+            valid = lab != ignore_index
+            picked = logits.gather(1, torch.where(valid, lab, 0)[:, None])[:, 0]
+            total += torch.where(valid, torch.logsumexp(logits, dim=-1) - picked, 0.0).sum()
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.args = (ignore_index, chunk, dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        hidden, weight, labels = ctx.saved_tensors
+        ignore_index, chunk, dtype = ctx.args
+        w = weight.to(dtype)
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk].to(dtype)
+            lab = labels[start : start + chunk]
+            valid = lab != ignore_index
+            d_logits = torch.softmax((h @ w.t()).float(), dim=-1)
+            rows = torch.arange(lab.numel(), device=lab.device)
+            d_logits[rows, torch.where(valid, lab, 0)] -= 1.0
+            d_logits = (d_logits * (valid[:, None] * grad)).to(dtype)
+            d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
+            d_weight += (d_logits.t() @ h).float()
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Sum of the token cross-entropies of ``hidden @ weight.T`` against ``labels`` (``ignore_index`` skipped).
+
+    Args:
+        hidden: ``[t, h]`` final hidden states.
+        weight: ``[V, h]`` LM head weight.
+        labels: ``[t]`` target ids.
+        ignore_index: Label of tokens that are not trained.
+        chunk_tokens: Tokens per chunk (default: as many as :data:`LOGIT_BYTES` of float32 logits allow).
+
+    Returns:
+        A float32 scalar (0 for no tokens).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [t, h] and weight [V, h] expected, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be [{hidden.shape[0]}], got {tuple(labels.shape)}")
+    chunk = _chunk_tokens(weight.shape[0], chunk_tokens)
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, _compute_dtype(hidden))

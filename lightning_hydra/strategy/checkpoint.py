@@ -1,0 +1,75 @@
+"""Checkpoints of a sharded pool: ``torch.distributed.checkpoint`` shards plus one metadata file.
+
+A sharded model (``zero2``, ``zero3``, ``hsdp``) saves to a directory: every rank writes its shards of the model and
+optimizer state (``get_model_state_dict`` / ``get_optimizer_state_dict``), rank 0 writes ``meta.pt`` with the rest
+of Lightning's checkpoint (loop and data-module positions, the calibrated cost model and the calibrator). Loading
+reshards to the pool at hand: a checkpoint saved on 4 ranks resumes on 2, and since global batches never depend on
+the world size the run continues with the same batches. A replica pool keeps Lightning's single file (rank 0
+writes it), which loads into either kind of pool.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save, _is_sharded_checkpoint
+from lightning.fabric.strategies.model_parallel import _load_checkpoint as _fabric_load_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["is_sharded_checkpoint", "load_sharded_checkpoint", "save_sharded_checkpoint"]
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a directory written by :func:`save_sharded_checkpoint`."""
+    return _is_sharded_checkpoint(Path(path))
+
+
+def save_sharded_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, global_rank: int) -> None:
+    """Write ``checkpoint`` (Lightning's dict, with sharded ``state_dict`` and ``optimizer_states``) to ``path``.
+
+    Collective: every rank calls it with the same ``path``.
+    """
+    path = Path(path)
+    if path.is_file():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    converted = {"state_dict": checkpoint.pop("state_dict")}
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    _distributed_checkpoint_save(converted, path)
+    if global_rank == 0:
+        torch.save(checkpoint, path / _METADATA_FILENAME)
+
+
+def load_sharded_checkpoint(
+    path: str | Path, model: nn.Module, optimizers: list[Optimizer], *, strict: bool = True
+) -> dict[str, Any]:
+    """Load a sharded directory into ``model`` (FSDP-sharded, a pipeline stage, or both) and its ``optimizers``,
+    each rank reading only what it holds; returns the rest of the checkpoint. A single full file (from a replica
+    pool) loads into a sharded model too. Collective."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        state: dict[str, Any] = {"state_dict": model, **{f"optimizer_{i}": o for i, o in enumerate(optimizers)}}
+        return _fabric_load_checkpoint(
+            path=path, state=state, strict=strict, optimizer_states_from_list=True, weights_only=False
+        )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    wanted: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    for i, optimizer in enumerate(optimizers):
+        wanted[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(wanted, checkpoint_id=path)
+    set_model_state_dict(model, wanted["state_dict"], options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, wanted[f"optimizer_{i}"])
+    return torch.load(path / _METADATA_FILENAME, weights_only=False)

@@ -1,0 +1,203 @@
+"""Sharded training state with FSDP2 over the dynamic-CP pool.
+
+Modes (``HydraStrategy(sharding=...)``):
+
+- ``"none"``: every rank holds a full replica; gradients are summed by
+  :class:`~lightning_hydra.strategy.gradients.GradientReducer`.
+- ``"zero2"``: parameters, gradients and optimizer state sharded over the pool (1-D mesh). Parameters are gathered
+  at a rank's first forward of the step and kept gathered until the last backward (``reshard_after_forward=False``,
+  no reshard between microbatches), gradients accumulate unsharded and are reduce-scattered once, in the step's last
+  backward, into the sharded (float32 under ``bf16-mixed``) gradients the optimizer steps on.
+- ``"zero3"``: parameters resharded after every forward and backward, gradients reduce-scattered in every
+  microbatch (no full gradient is ever held). Every collective of FSDP runs in every microbatch, so every rank runs
+  every microbatch: a rank whose group is idle runs a zero-token pass.
+- ``"hsdp"``: ``zero2`` inside a node, replicated across nodes (2-D mesh ``(replicate, shard)`` = ``(nodes,
+  ranks_per_node)``); the gradient reduction is a reduce-scatter inside the node and an all-reduce across nodes.
+
+Every transformer block and the root module are ``fully_shard``-ed (the model's
+``transformer_blocks()`` if it has one, otherwise its largest ``nn.ModuleList``). Losses are sums normalised by
+the global batch's token count, so reductions are plain sums: ``set_gradient_divide_factor(1.0)`` and
+``set_force_sum_reduction_for_comms(True)`` on every sharded module (the factor alone selects ``PREMUL_SUM``, which
+gloo rejects; set on the root alone, the blocks still average). Under ``bf16-mixed`` FSDP's mixed-precision policy
+computes in bf16 from float32 master weights and reduces gradients in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_hydra.models.checkpointing import largest_module_list
+
+__all__ = [
+    "SHARDING_MODES",
+    "ShardedGradientSync",
+    "ShardingPlan",
+    "build_mesh",
+    "shard_model",
+    "state_bytes",
+    "transformer_blocks",
+]
+
+log = logging.getLogger(__name__)
+
+SHARDING_MODES = ("none", "zero2", "zero3", "hsdp")
+"""Values of ``HydraStrategy(sharding=...)``."""
+
+ShardingMode = Literal["none", "zero2", "zero3", "hsdp"]
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: ``module.transformer_blocks()`` when defined, otherwise the children
+    of the ``nn.ModuleList`` holding the most parameters (the decoder layers of a Llama-style model)."""
+    explicit = getattr(module, "transformer_blocks", None)
+    return list(explicit()) if callable(explicit) else largest_module_list(module)
+
+
+def build_mesh(mode: str, world_size: int, ranks_per_node: int, device_type: str, *, stages: int = 1) -> DeviceMesh:
+    """The FSDP mesh of a mode over one pool: 1-D, or ``(replicate, shard)`` = ``(nodes, ranks_per_node)`` for
+    hsdp. With pipeline stages the world mesh is ``(stage, ...)`` and this rank's stage's sub-mesh is returned.
+
+    Args:
+        mode: The sharding mode.
+        world_size: Ranks in one pool (the world with one stage).
+        ranks_per_node: Ranks per node.
+        device_type: ``"cuda"`` or ``"cpu"``.
+        stages: Pipeline stages (pools) of the world.
+
+    Raises:
+        ValueError: An hsdp pool that is not whole nodes.
+    """
+    if mode == "hsdp":
+        if world_size % ranks_per_node or world_size < ranks_per_node:
+            raise ValueError(f"hsdp needs whole nodes: {world_size} ranks with ranks_per_node={ranks_per_node}")
+        shape, names = (world_size // ranks_per_node, ranks_per_node), ("replicate", "shard")
+    else:
+        shape, names = (world_size,), ("shard",)
+    if stages == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, (stages, *shape), mesh_dim_names=("stage", *names))
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """What :func:`shard_model` did."""
+
+    mode: str
+    """The sharding mode."""
+    modules: tuple[FSDPModule, ...]
+    """Every ``fully_shard``-ed module, blocks first, the root last."""
+    mixed_precision: bool
+    """Whether FSDP computes in bf16 from float32 master weights."""
+
+
+def shard_model(model: nn.Module, mode: str, mesh: DeviceMesh, *, mixed_precision: bool = False) -> ShardingPlan:
+    """``fully_shard`` every transformer block and then ``model`` itself, with plain-sum gradient reductions.
+
+    Args:
+        model: The model (on its device, replicas already identical).
+        mode: ``"zero2"``, ``"zero3"`` or ``"hsdp"``.
+        mesh: From :func:`build_mesh`.
+        mixed_precision: bf16 compute, float32 master weights and gradient reductions.
+
+    Raises:
+        ValueError: An unknown mode, or a model without parameters to shard.
+    """
+    if mode not in ("zero2", "zero3", "hsdp"):
+        raise ValueError(f"shard_model takes zero2, zero3 or hsdp, not {mode!r}")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameters to shard")
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    reshard = mode == "zero3"
+    blocks = transformer_blocks(model)
+    sharded: list[FSDPModule] = []
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        sharded.append(block)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    sharded.append(model)  # type: ignore[arg-type]
+    for m in sharded:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+    log.debug("sharded %d blocks and the root (%s)", len(blocks), mode)
+    return ShardingPlan(mode=mode, modules=tuple(sharded), mixed_precision=mixed_precision)
+
+
+class ShardedGradientSync:
+    """The gradient sync of a sharded model (see the module docstring for what each mode synchronises when)."""
+
+    def __init__(self, plan: ShardingPlan) -> None:
+        """Args:
+        plan: The sharded model.
+        """
+        self.plan = plan
+        self.root = plan.modules[-1]
+
+    @property
+    def every_microbatch(self) -> bool:
+        """zero3: FSDP collectives run in every forward and backward, so every rank runs every microbatch."""
+        return self.plan.mode == "zero3"
+
+    def must_run(self, index: int, last: int) -> bool:
+        """Whether a rank idle in microbatch ``index`` (of ``0..last``) must still run a zero-token pass: every
+        microbatch under zero3, the last one otherwise (its backward reduce-scatters; its forward gathers the
+        parameters if the rank had no forward before)."""
+        return self.every_microbatch or index == last
+
+    def begin(self) -> None:
+        """Start a step: accumulate locally until the last backward (zero2, hsdp), sync every microbatch (zero3)."""
+        if self.every_microbatch:
+            self.root.set_requires_gradient_sync(True)
+            self.root.set_reshard_after_backward(True)
+        else:
+            self.root.set_requires_gradient_sync(False)
+            self.root.set_reshard_after_backward(False)
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce-scatter and reshard in it."""
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_reshard_after_backward(True)
+
+    def finish(self) -> None:
+        """Nothing left: FSDP waits for its reductions at the end of the last backward."""
+
+    def reshard(self) -> None:
+        """Reshard every module (after a forward-only step, e.g. validation, that left parameters gathered)."""
+        for m in self.plan.modules:
+            m.reshard()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (the local shards of DTensors), measured
+    from the tensors themselves."""
+
+    def size(t: torch.Tensor) -> int:
+        local = _local(t)
+        return local.numel() * local.element_size()
+
+    params = list(module.parameters())
+    out = {
+        "params": sum(size(p) for p in params),
+        "grads": sum(size(p.grad) for p in params if p.grad is not None),
+        "optimizer": 0,
+    }
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            out["optimizer"] += sum(size(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out

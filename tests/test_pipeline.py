@@ -1,0 +1,220 @@
+"""Pipeline parallelism under dynamic CP on real processes: stages x pools train exactly what one process trains,
+the layers are dealt by FLOPs, the measured bubble comes from the stages' timelines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+
+from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
+from lightning_hydra.metrics.loads import pipeline_replay, projected_pipeline_bubble, step_metrics
+from lightning_hydra.metrics.record import StepRecord, rank_row
+from lightning_hydra.models.stages import stage_layers
+from lightning_hydra.planner.calibration import NUM_FEATURES
+from lightning_hydra.strategy.pipeline import PipelineLayout
+
+LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
+
+
+def make_dataset() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 250, (n,), generator=g) for n in LENGTHS]
+
+
+def make_model() -> DecoderLM:
+    torch.manual_seed(5)
+    return DecoderLM(
+        vocab_size=258,
+        hidden_size=32,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        lr=1.0,
+        optimizer="sgd",
+        max_grad_norm=None,
+    )
+
+
+class Log(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rows: list[dict] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        record = module.last_record
+        self.rows.append(
+            {
+                "loss": float(outputs["loss"] if isinstance(outputs, dict) else outputs),
+                "microbatches": len(batch.microbatches),
+                "idle": sum(mb.num_tokens == 0 for mb in batch.microbatches),
+                "shapes": sorted({mb.num_tokens for mb in batch.microbatches}),
+                "stages": int(record.stages),
+                "bubble": {k: v for k, v in step_metrics(record, replay=True).items() if k.startswith("bubble/pp")},
+            }
+        )
+
+    def on_train_end(self, trainer, module) -> None:
+        rows = [{**r, "bubble": {k: float(v) for k, v in r["bubble"].items()}} for r in self.rows]
+        Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(rows))
+
+
+def _fit(tmp: Path, name: str, model: DecoderLM, devices: int, strategy=None) -> list[list[dict]]:
+    out = tmp / name
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy or "auto",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Log(out)],
+    )
+    trainer.fit(model, HydraDataModule(make_dataset(), global_batch_tokens=700, seed=2))
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    model = make_model()
+    rows = _fit(tmp_path_factory.mktemp("ref"), "ref", model, 1)[0]
+    return [r["loss"] for r in rows], model
+
+
+@pytest.mark.parametrize(("stages", "capacity"), [(2, 128), (4, 256)])
+def test_pipeline_trains_like_one_process(tmp_path: Path, reference, stages: int, capacity: int) -> None:
+    ref_losses, ref_model = reference
+    model = make_model()
+    strategy = HydraStrategy(
+        pipeline_stages=stages,
+        max_tokens_per_rank=capacity,
+        num_microbatches=6,
+        ranks_per_node=4 // stages,
+        start_method="spawn",
+        kernel="cpu",
+        cost=make_model().cost_model().replace(min_chunk_tokens=16),
+    )
+    ranks = _fit(tmp_path, f"pp{stages}", model, 4, strategy)
+    for rows in ranks:
+        assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    first = ranks[0][0]
+    assert first["microbatches"] > stages  # more microbatches than stages: the steady 1F1B phase ran
+    assert len(first["shapes"]) > 2  # microbatches of different shapes
+    if stages == 2:
+        assert sum(r["idle"] for rows in ranks for r in rows) > 0  # idle pool positions were skipped
+    assert first["stages"] == stages
+    bubble = first["bubble"]
+    assert set(bubble) >= {"bubble/pp", "bubble/pp_projected", "bubble/pp_min"}
+    assert 0 < bubble["bubble/pp"] < 1 and bubble["bubble/pp_min"] == pytest.approx((stages - 1) / (5 + stages))
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_layers_are_dealt_by_flops() -> None:
+    assert stage_layers(8, 2, block_flops=1.0) == [range(0, 4), range(4, 8)]
+    # a heavy head leaves the last stage fewer blocks
+    assert stage_layers(8, 2, block_flops=1.0, head_flops=2.0) == [range(0, 5), range(5, 8)]
+    assert [len(r) for r in stage_layers(5, 5, block_flops=1.0)] == [1] * 5
+    with pytest.raises(ValueError, match="3 transformer blocks cannot fill 4 pipeline stages"):
+        stage_layers(3, 4, block_flops=1.0)
+    with pytest.raises(ValueError, match="cannot form 3 pipeline stages"):
+        PipelineLayout.of_world(4, 3)
+    layout = PipelineLayout.of_world(8, 2)
+    assert layout.stage_ranks(1) == (4, 5, 6, 7) and layout.position(6) == 2 and layout.global_rank(1, 2) == 6
+
+
+def _record(forward: np.ndarray, backward: np.ndarray, stages: int) -> StepRecord:
+    m, n = forward.shape
+    pool = n // stages
+    rows = []
+    for r in range(n):
+        rows.append(
+            rank_row(
+                list(forward[:, r] + backward[:, r]),
+                [0.0] * m,
+                [0.0] * m,
+                [(r, 1)] * m,  # every rank its own group
+                np.zeros((m, NUM_FEATURES)),
+                1.0,
+                0.0,
+                forward=list(forward[:, r]),
+                backward=list(backward[:, r]),
+                stage=r // pool,
+            )
+        )
+    return StepRecord.from_table(np.stack(rows), step=0, num_microbatches=m, trained_tokens=1, includes_comm=False)
+
+
+def test_replayed_bubble_of_equal_microbatches_is_the_closed_form() -> None:
+    stages, m = 4, 6
+    forward = np.full((m, stages), 1.0)
+    backward = np.full((m, stages), 2.0)
+    record = _record(forward, backward, stages)
+    makespan = pipeline_replay(record)
+    assert makespan == pytest.approx((m + stages - 1) * 3.0)  # 1F1B with equal operations
+    busy = (forward + backward).sum()
+    assert 1 - busy / (stages * makespan) == pytest.approx((stages - 1) / (m + stages - 1))
+    assert projected_pipeline_bubble(record) == pytest.approx((stages - 1) / (m + stages - 1))
+
+
+def test_a_slow_microbatch_stretches_the_replayed_pipeline() -> None:
+    stages, m = 2, 4
+    forward = np.full((m, stages), 1.0)
+    backward = np.full((m, stages), 2.0)
+    base = pipeline_replay(_record(forward, backward, stages))
+    forward[1, :] = 3.0
+    backward[1, :] = 6.0
+    assert pipeline_replay(_record(forward, backward, stages)) > base + 5.0
+
+
+KILL_SCRIPT = """
+import os
+import lightning.pytorch as pl
+import torch
+from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
+
+
+class Killer(pl.Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 1 and trainer.global_rank == 2:
+            os._exit(3)  # a rank dies in the middle of the run
+
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 250, (n,), generator=g) for n in [50, 30, 70, 20, 60, 40, 10, 90] * 3]
+    torch.manual_seed(0)
+    model = DecoderLM(vocab_size=258, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    strategy = HydraStrategy(
+        pipeline_stages=2, max_tokens_per_rank=128, num_microbatches=4, ranks_per_node=2, kernel="cpu", monitor=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Killer()],
+    )
+    trainer.fit(model, HydraDataModule(data, global_batch_tokens=400))
+"""
+
+
+def test_a_rank_killed_mid_run_ends_every_rank_with_an_error(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode != 0
+    for rank in (0, 1, 3):  # every surviving rank raised (no rank hung waiting for the dead one)
+        assert f"[rank{rank}]: RuntimeError" in done.stderr, done.stderr[-3000:]
