@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_world"]
+__all__ = ["quiet_trainer", "run_world"]
 
 
 def _free_port() -> int:
@@ -83,3 +83,24 @@ def _read(out_dir: str, world: int) -> list[Any]:
         path = Path(out_dir, f"{r}.pkl")
         out.append(pickle.loads(path.read_bytes()) if path.exists() else None)
     return out
+
+
+def quiet_trainer(devices: int, strategy: Any = None, *, callbacks: list | None = None, **kw: Any) -> Any:
+    """A CPU ``Trainer`` for tests and benchmarks: no logger, checkpoints, progress bar, summary or validation
+    unless asked (``**kw`` overrides any of them)."""
+    import lightning.pytorch as pl
+
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy or "auto",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "callbacks": callbacks or [],
+    }
+    settings.update(kw)
+    return pl.Trainer(**settings)

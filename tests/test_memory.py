@@ -9,7 +9,7 @@ import torch
 from lightning_hydra import DecoderLM, HydraStrategy
 from lightning_hydra.cp import CPContext
 from lightning_hydra.planner.memory import (
-    ModelMemoryShape,
+    LLAMA3_8B,
     activation_bytes_per_token,
     memory_capacity,
     model_state_bytes,
@@ -17,16 +17,6 @@ from lightning_hydra.planner.memory import (
 )
 from lightning_hydra.strategy.runtime import memory_shape
 from lightning_hydra.strategy.strategy import configure_cuda_allocator
-
-LLAMA3_8B = ModelMemoryShape(
-    num_params=8_030_261_248,
-    hidden_size=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    ffn_hidden_size=14336,
-    vocab_size=128256,
-)
 
 
 def _saved_bytes_per_token(model: DecoderLM, tokens: int) -> float:

@@ -17,6 +17,7 @@ from lightning_hydra.metrics.record import StepRecord, rank_row
 from lightning_hydra.models.stages import stage_layers
 from lightning_hydra.planner.calibration import NUM_FEATURES
 from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.testing import quiet_trainer
 
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
 
@@ -65,19 +66,7 @@ class Log(pl.Callback):
 
 def _fit(tmp: Path, name: str, model: DecoderLM, devices: int, strategy=None) -> list[list[dict]]:
     out = tmp / name
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy or "auto",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[Log(out)],
-    )
+    trainer = quiet_trainer(devices, strategy, callbacks=[Log(out)], max_steps=3)
     trainer.fit(model, HydraDataModule(make_dataset(), global_batch_tokens=700, seed=2))
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
 

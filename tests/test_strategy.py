@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_source_index
+from lightning_hydra.testing import quiet_trainer
 
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
 
@@ -94,19 +95,7 @@ class Recorder(pl.Callback):
 
 
 def _trainer(devices: int, tmp: Path, strategy=None, **kw) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy or "auto",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[Recorder(str(tmp))],
-        **kw,
-    )
+    return quiet_trainer(devices, strategy, callbacks=[Recorder(str(tmp))], **kw)
 
 
 def _reference(tmp: Path, model: DecoderLM, steps: int | None = None, epochs: int = 1) -> tuple[list[dict], DecoderLM]:

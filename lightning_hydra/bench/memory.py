@@ -20,21 +20,12 @@ import time
 
 import torch
 
-from lightning_hydra.planner.memory import ModelMemoryShape, memory_capacity
+from lightning_hydra.planner.memory import LLAMA3_8B, memory_capacity
 from lightning_hydra.testing import run_world
 
 __all__ = ["main"]
 
 MODES = ("none", "zero2", "zero3", "hsdp")
-LLAMA3_8B = ModelMemoryShape(
-    num_params=8_030_261_248,
-    hidden_size=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    ffn_hidden_size=14336,
-    vocab_size=128256,
-)
 
 
 def _worker(rank: int, world: int, steps: int, tokens: int, hidden: int) -> dict:

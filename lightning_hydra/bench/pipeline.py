@@ -48,6 +48,7 @@ class _Collect(pl.Callback):
 
 def _run(policy: str, args: argparse.Namespace, out: Path) -> list[dict[str, float]]:
     from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
+    from lightning_hydra.testing import quiet_trainer
 
     pl.seed_everything(0, verbose=False)
     model = DecoderLM(hidden_size=args.hidden, num_layers=4, num_heads=4, num_kv_heads=2, lr=2e-3)
@@ -64,19 +65,7 @@ def _run(policy: str, args: argparse.Namespace, out: Path) -> list[dict[str, flo
     )
     pool_tokens = 2 * args.capacity * args.microbatches
     data = HydraDataModule(global_batch_tokens=int(0.75 * pool_tokens), seed=0, corpus_max_bytes=2 * args.capacity - 64)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=4,
-        strategy=strategy,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[_Collect(out)],
-    )
+    trainer = quiet_trainer(4, strategy, callbacks=[_Collect(out)], max_steps=args.steps)
     trainer.fit(model, data)
     return json.loads(out.read_text())
 

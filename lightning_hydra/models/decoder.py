@@ -13,7 +13,7 @@ from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
 from lightning_hydra.models.checkpointing import check_checkpointing_mode
 from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
-from lightning_hydra.models.stages import stage_layers
+from lightning_hydra.models.stages import keep_stage_layers
 
 __all__ = ["DecoderLM"]
 
@@ -258,14 +258,7 @@ class DecoderLM(HydraModule):
     @override
     def pipeline_stage(self, stage: int, stages: int) -> None:
         h = self.hparams
-        block = sum(p.numel() for p in self.layers[0].parameters())
-        ranges = stage_layers(
-            h.num_layers, stages, block_flops=6.0 * block, head_flops=6.0 * h.vocab_size * h.hidden_size
-        )
-        keep = ranges[stage]
-        for i in range(h.num_layers):
-            if i not in keep:
-                self.layers[i] = nn.Identity()
+        keep_stage_layers(self.layers, stage, stages, head_flops=6.0 * h.vocab_size * h.hidden_size)
         if stage > 0:
             self.embed = None
         if stage < stages - 1:

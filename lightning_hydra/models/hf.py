@@ -20,7 +20,7 @@ from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
 from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
-from lightning_hydra.models.stages import stage_layers
+from lightning_hydra.models.stages import keep_stage_layers
 
 __all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf"]
 
@@ -180,16 +180,8 @@ class HFCausalLM(HydraModule):
         base = self._decoder()
         if stages > 1 and getattr(self.model.config, "tie_word_embeddings", False):
             raise ValueError("a model with tied input and output embeddings cannot be split into pipeline stages")
-        layers = base.layers
-        block = sum(p.numel() for p in layers[0].parameters())
         c = self.model.config
-        ranges = stage_layers(
-            len(layers), stages, block_flops=6.0 * block, head_flops=6.0 * c.vocab_size * c.hidden_size
-        )
-        keep = ranges[stage]
-        for i in range(len(layers)):
-            if i not in keep:
-                layers[i] = nn.Identity()
+        keep_stage_layers(base.layers, stage, stages, head_flops=6.0 * c.vocab_size * c.hidden_size)
         if stage > 0:
             base.embed_tokens = None
         if stage < stages - 1:

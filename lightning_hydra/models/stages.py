@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-__all__ = ["stage_layers"]
+from torch import nn
+
+__all__ = ["keep_stage_layers", "stage_layers"]
 
 
 def stage_layers(
@@ -38,3 +40,15 @@ def stage_layers(
         bounds.append(cut[s][bounds[-1]])
     bounds.reverse()
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def keep_stage_layers(layers: nn.ModuleList, stage: int, stages: int, *, head_flops: float) -> range:
+    """Replace every block of ``layers`` outside stage ``stage``'s share (:func:`stage_layers`, blocks weighed by
+    ``6 x`` their parameters per token, the last stage also carrying ``head_flops``) by ``nn.Identity``, which
+    drops its parameters; returns the kept range. Indices (and state-dict keys) of kept blocks do not change."""
+    block = sum(p.numel() for p in layers[0].parameters())
+    keep = stage_layers(len(layers), stages, block_flops=6.0 * block, head_flops=head_flops)[stage]
+    for i in range(len(layers)):
+        if i not in keep:
+            layers[i] = nn.Identity()
+    return keep

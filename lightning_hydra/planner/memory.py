@@ -45,6 +45,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "LLAMA3_8B",
     "MEMORY_PRECISIONS",
     "MemoryBreakdown",
     "ModelMemoryShape",
@@ -112,6 +113,18 @@ class ModelMemoryShape:
         """Parameters of one block (everything but embedding and head, spread evenly)."""
         rest = self.num_params - 2 * self.vocab_size * self.hidden_size
         return max(rest, 0) / max(self.num_layers, 1)
+
+
+LLAMA3_8B = ModelMemoryShape(
+    num_params=8_030_261_248,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    ffn_hidden_size=14336,
+    vocab_size=128256,
+)
+"""Llama-3-8B (untied embeddings, vocabulary 128,256): the shape the README's sizing uses."""
 
 
 def _precision(precision: str) -> str:
