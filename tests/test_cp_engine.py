@@ -138,6 +138,10 @@ def _cases(world: int) -> list[tuple]:
         for (u, r), causal, gather in itertools.product(FACTORIZATIONS[4], (True, False), (0, 2048)):
             kwargs = dict(heads=8, kv_heads=2, causal=causal, dtype=torch.float32, gather=gather, lengths=SHORT)
             cases.append((f"short u{u} r{r} causal={causal} gather<={gather}", _uniform_groups(4, u, r), kwargs))
+        # only block 0 holds keys: three ranks have nothing to attend after their first step, one has steps left;
+        # the KV blocks must still travel on every member alike
+        kwargs = dict(heads=8, kv_heads=2, causal=False, dtype=torch.float32, gather=0, lengths=[1, 1, 1])
+        cases.append(("tiny non-causal r4", _uniform_groups(4, 1, 4), kwargs))
     return cases
 
 

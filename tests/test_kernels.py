@@ -239,3 +239,15 @@ def test_ulysses_reorders_have_exact_gradients() -> None:
     inverse[order] = torch.arange(12)
     torch.autograd.gradcheck(lambda y: _GatherSplit.apply(y, order, inverse, (4, 2, 1)), (x,))
     torch.autograd.gradcheck(lambda y: _PermuteRows.apply(y, order, inverse), (x,))
+
+
+@pytest.mark.parametrize("cu", [[0], [0, 0], [0, 0, 0]])
+def test_empty_bin_keeps_every_input_in_the_graph(cu: list[int]) -> None:
+    """A zero-token pass (idle ranks under ZeRO-3) must reach the same modules in the backward as a real one."""
+    from lightning_hydra.cp import hydra_attn_func
+
+    q, k, v = (torch.zeros(0, h, 8, requires_grad=True) for h in (4, 2, 2))
+    out = hydra_attn_func(q, k, v, cu, group=CPGroup((0,), 1, 1))
+    assert out.shape == (0, 4, 8)
+    out.sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in (q, k, v))

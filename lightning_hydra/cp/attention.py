@@ -78,7 +78,9 @@ def attend(
 ) -> torch.Tensor:
     """The engine behind :func:`hydra_attn_func` with a ready plan (inputs already checked)."""
     if q.shape[0] == 0:
-        return q * 0.0  # an empty bin: nothing to attend, no communication (every member is empty)
+        # an empty bin (every member is empty): nothing to attend, no communication; q, k and v all stay in the
+        # graph, so that the backward reaches the same modules as on a rank with tokens (FSDP hooks count on it)
+        return q * 0.0 + (k.sum() + v.sum()) * 0.0
     peers = group.ring_peers(rank)
     u = group.ulysses
     if u == 1:

@@ -132,7 +132,7 @@ class _RingAttention(torch.autograd.Function):
         dgathered = None
         if plan.gathered is not None:  # the gathered sequences first: their dK/dV join each block as it passes
             dgathered = kernel.gathered_backward(dout, q, kpos[0], kpos[1], out, lse, plan.gathered, scale, dq)
-        travel_kv = any(step is not None for step in plan.steps[1:])
+        travel_kv = plan.split > 0  # the same on every member (a step's segments may be empty on one rank only)
         shape = (2, *k.shape)
         cur = pool.get("ring.bkv.a", shape, k.dtype, k.device)
         nxt = pool.get("ring.bkv.b", shape, k.dtype, k.device)
