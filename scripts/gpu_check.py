@@ -15,8 +15,8 @@ Three checks:
 2. ``ring``: every rank of a ring of degree 1, 2 and 4 is emulated in one process: each walks its ring steps
    through the kernel's step plans, merges partials with the engine's log-sum-exp merge and runs the per-block
    backward with the final output and log-sum-exp (the code the ring runs, minus the transfers); short sequences
-   take the kernel's gathered path when it has one. Outputs and
-   gradients are compared with a per-document float32 reference, causal and not, with and without GQA.
+   take the kernel's gathered path when it has one. Outputs and gradients are compared with a per-document
+   float32 reference, causal and not, with and without GQA.
 3. ``summary``: one JSON object on the last line; the exit status is non-zero if any check failed.
 """
 
