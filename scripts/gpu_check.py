@@ -1,14 +1,23 @@
-"""GPU check of the flash-attn kernel path through the ring's own block and merge code, on one device.
+"""GPU check of the CP engine on one device: a full bf16 training step of ``DecoderLM`` through the engine, the
+ring's block and merge code against a float32 reference, and peak memory per token.
 
-Emulates every rank of a ring of degree ``r`` in one process: each emulated rank walks the ring's steps
-(``RingLayout.step``), calls the kernel on the visible rows, merges partials with the ring's log-sum-exp merge,
-and runs the per-block backward with the final output and LSE; dK/dV are added to the owner's block. Outputs and
-gradients are compared with a per-document reference (float32 SDPA).
+    PYTHONPATH=. python3 scripts/gpu_check.py                  # CUDA: kernel "auto" (torch's flash attention)
+    PYTHONPATH=. python3 scripts/gpu_check.py --kernel flash   # flash-attn instead
+    PYTHONPATH=. python3 scripts/gpu_check.py --device cpu     # the same code on the CPU op
 
-    python scripts/gpu_check.py                              # CUDA + flash-attn (bf16)
-    python scripts/gpu_check.py --device cpu --kernel cpu    # the same code on the CPU op (float32)
+Needs only torch, Lightning, torchmetrics (what ``lightning_hydra.models`` imports); no flash-attn, no jsonargparse.
+Three checks:
 
-Prints one JSON line per configuration and exits non-zero if any error exceeds its bound.
+1. ``train_step``: ``DecoderLM`` in bf16 (weights and activations) runs one forward, backward and AdamW step on a
+   packed bin through :class:`~lightning_hydra.cp.CPContext` (degree 1, the selected kernel). Its loss and
+   gradients are compared with the same model in float32 whose attention is a per-document float32 SDPA, and
+   the peak memory of the step is reported per token (CUDA only).
+2. ``ring``: every rank of a ring of degree 1, 2 and 4 is emulated in one process: each walks its ring steps
+   through the kernel's step plans, merges partials with the engine's log-sum-exp merge and runs the per-block
+   backward with the final output and log-sum-exp (the code the ring runs, minus the transfers); short sequences
+   take the kernel's gathered path when it has one. Outputs and gradients are compared with a per-document
+   float32 reference, causal and not, with and without GQA.
+3. ``summary``: one JSON object on the last line; the exit status is non-zero if any check failed.
 """
 
 from __future__ import annotations
@@ -17,23 +26,33 @@ import argparse
 import itertools
 import json
 import sys
+import time
 
 import torch
+import torch.nn.functional as F
 
-from lightning_hydra.cp.kernels import select_kernel
+from lightning_hydra.cp.blocks import Accumulator
+from lightning_hydra.cp.groups import CPGroup
+from lightning_hydra.cp.kernels import AttentionKernel, select_kernel
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_shard, zigzag_source_index
-from lightning_hydra.cp.ring import RingLayout, _merge, _select
+from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout
 
-LENGTHS = [1500, 37, 4096, 2, 611]
+LENGTHS = [1500, 37, 4096, 2, 611, 64, 64, 64, 9, 1000]
+"""The ring check's bin: mixed lengths, some shorter than ``2 * ring``, runs of equal length."""
+TRAIN_LENGTHS = [2048, 700, 130, 130, 31, 5, 1]
+"""The training step's bin."""
+BF16_BOUND = 2e-2
+"""Relative bound for bf16 results against a float32 reference."""
 
 
 def _reference(q, k, v, dout, cu, causal):
+    """Per-document float32 SDPA: output and gradients of ``q, k, v``."""
     rep = q.shape[1] // k.shape[1]
     leaves = [x.float().clone().requires_grad_() for x in (q, k, v)]
     outs = []
     for a, b in itertools.pairwise(cu):
         outs.append(
-            torch.nn.functional.scaled_dot_product_attention(
+            F.scaled_dot_product_attention(
                 leaves[0][a:b].transpose(0, 1),
                 leaves[1][a:b].transpose(0, 1).repeat_interleave(rep, 0),
                 leaves[2][a:b].transpose(0, 1).repeat_interleave(rep, 0),
@@ -45,90 +64,91 @@ def _reference(q, k, v, dout, cu, causal):
     return out.detach(), [x.grad for x in leaves]
 
 
-def emulate(q, k, v, dout, cu, ring, causal, kernel):
-    """All ranks of a ring of ``ring`` ranks, in one process; returns unsharded out, dq, dk, dv."""
+def emulate(q, k, v, dout, cu, ring, causal, kernel: AttentionKernel):
+    """All ranks of a ring of ``ring`` ranks in one process; returns the unsharded out, dq, dk, dv (float32)."""
     meta = ZigzagMeta.from_cu_seqlens(cu, ring)
     scale = q.shape[-1] ** -0.5
-    hkv = k.shape[1]
-    shard = [[zigzag_shard(x, cu, ring, p).transpose(0, 1).contiguous() for x in (q, k, v, dout)] for p in range(ring)]
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    shard = [[zigzag_shard(x, cu, ring, p).contiguous() for x in (q, k, v, dout)] for p in range(ring)]
+    plans = [
+        AttentionPlan.build(
+            MicrobatchLayout(cu, 1, ring, p), kernel, q.device, causal=causal, heads=heads, kv_heads=kv_heads
+        )
+        for p in range(ring)
+    ]
+    t = meta.shard_len
+    kpos = [None] * ring
+    for p, plan in enumerate(plans):
+        if plan.gathered is not None:  # the keys of the short sequences, collected from every block
+            kpos[p] = torch.empty((2, plan.gather_index.numel(), kv_heads, dim), dtype=k.dtype, device=q.device)
+            for src in range(ring):
+                kv = torch.stack([shard[src][1], shard[src][2]])
+                kpos[p].index_copy_(1, plan.gather_index[src], kv[:, plan.split :])
     outs, lses = [], []
-    for p in range(ring):
-        lay = RingLayout(meta.lengths, meta.chunks, ring, p)
-        out = torch.zeros(shard[p][0].shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(shard[p][0].shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        for s in range(ring):
+    for p, plan in enumerate(plans):
+        acc = Accumulator(t, heads, dim, torch.float32, q.device, init=not plan.first_covers)
+        for s, step in enumerate(plan.steps):
             src = (p - s) % ring
-            step = lay.step(src, causal)
-            if step is None:
-                continue
-            kv = torch.cat([shard[src][1], shard[src][2]], dim=0)
-            o, lo = kernel.forward(
-                _select(shard[p][0], step.q_rows),
-                _select(kv[:hkv], step.k_rows),
-                _select(kv[hkv:], step.k_rows),
-                step.cu_q,
-                step.cu_k,
-                step.causal,
-                scale,
-            )
-            _merge(out, lse, step.q_rows, o, lo)
-        outs.append(out)
+            if step is not None:
+                kernel.forward(shard[p][0], shard[src][1], shard[src][2], step, scale, acc, first=s == 0)
+        if plan.gathered is not None:
+            kernel.gathered_forward(shard[p][0], kpos[p][0], kpos[p][1], plan.gathered, scale, acc)
+        lse = acc.lse.clone()
+        lse.masked_fill_(lse == float("-inf"), float("inf"))  # as the ring does before its backward
+        lse[acc.sink] = float("inf")
+        outs.append(acc.out3().clone())
         lses.append(lse)
-    grads = [[torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in shard[p][:3]] for p in range(ring)]
-    for p in range(ring):
-        lay = RingLayout(meta.lengths, meta.chunks, ring, p)
+    dq = [torch.zeros(t * heads + 1, dim, device=q.device) for _ in range(ring)]
+    dk = [torch.zeros(t * kv_heads + 1, dim, device=q.device) for _ in range(ring)]
+    dv = [torch.zeros(t * kv_heads + 1, dim, device=q.device) for _ in range(ring)]
+    for p, plan in enumerate(plans):
         out_p = outs[p].to(q.dtype)
-        for s in range(ring):
+        if plan.gathered is not None:
+            dq_g = torch.zeros_like(dq[p])
+            dkv = kernel.gathered_backward(
+                shard[p][3], shard[p][0], kpos[p][0], kpos[p][1], out_p, lses[p], plan.gathered, scale, dq_g
+            )
+            dq[p] += dq_g
+            for src in range(ring):  # each block's share goes back to its owner
+                part = dkv.index_select(1, plan.gather_index[src]).reshape(2, -1, dim)
+                dk[src][plan.split * kv_heads : t * kv_heads] += part[0]
+                dv[src][plan.split * kv_heads : t * kv_heads] += part[1]
+        for s, step in enumerate(plan.steps):
             src = (p - s) % ring
-            step = lay.step(src, causal)
             if step is None:
                 continue
-            rows = step.q_rows
-            dq, dk, dv = kernel.backward(
-                _select(shard[p][3], rows),
-                _select(shard[p][0], rows),
-                _select(shard[src][1], step.k_rows),
-                _select(shard[src][2], step.k_rows),
-                _select(out_p, rows),
-                _select(lses[p], rows).contiguous(),
-                step.cu_q,
-                step.cu_k,
-                step.causal,
-                scale,
+            apply = kernel.backward(
+                shard[p][3], shard[p][0], shard[src][1], shard[src][2], out_p, lses[p], step, scale, dq[p], True
             )
-            for acc, part, r_ in (
-                (grads[p][0], dq, rows),
-                (grads[src][1], dk, step.k_rows),
-                (grads[src][2], dv, step.k_rows),
-            ):
-                if r_ is None:
-                    acc += part
-                else:
-                    acc.index_add_(1, r_, part)
+            apply(dk[src], dv[src], True)
 
-    def unshard(per_rank):
-        total = per_rank[0].new_zeros((meta.total, *per_rank[0].shape[0:1], per_rank[0].shape[2]))
+    def unshard(per_rank, h):
+        total = torch.zeros((meta.total, h, dim), device=q.device)
         for p, x in enumerate(per_rank):
             src = zigzag_source_index(meta, p)[1].to(x.device)
             keep = src >= 0
-            total[src[keep]] = x.transpose(0, 1)[keep]
+            total[src[keep]] = x[: t * h].view(t, h, dim)[keep]
         return total
 
-    return unshard(outs), unshard([g[0] for g in grads]), unshard([g[1] for g in grads]), unshard([g[2] for g in grads])
+    return (
+        unshard([o.reshape(-1, dim) for o in outs], heads),
+        unshard(dq, heads),
+        unshard(dk, kv_heads),
+        unshard(dv, kv_heads),
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--kernel", default="auto")
-    parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    kernel = select_kernel(device, args.kernel)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    bound = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
-    cu = [0, *itertools.accumulate(LENGTHS)]
-    failed = False
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def ring_checks(
+    device: torch.device, kernel: AttentionKernel, dtype: torch.dtype, lengths: list[int] | None = None
+) -> list[dict]:
+    """The emulated ring against the float32 reference, for rings of 1, 2 and 4 ranks."""
+    bound = BF16_BOUND if dtype in (torch.bfloat16, torch.float16) else 1e-5
+    cu = [0, *itertools.accumulate(lengths or LENGTHS)]
+    rows = []
     for ring, causal, (heads, kv_heads) in itertools.product((1, 2, 4), (True, False), ((8, 8), (8, 2))):
         g = torch.Generator(device="cpu").manual_seed(ring)
         q, k, v, dout = (
@@ -137,27 +157,150 @@ def main(argv: list[str] | None = None) -> int:
         ref_out, ref_grads = _reference(q, k, v, dout, cu, causal)
         got = emulate(q, k, v, dout, cu, ring, causal, kernel)
         errors = {
-            name: float((a.float() - b).abs().max() / b.abs().max())
-            for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref_out, *ref_grads], strict=True)
+            name: _rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref_out, *ref_grads], strict=True)
         }
-        ok = max(errors.values()) <= bound
-        failed |= not ok
-        print(
-            json.dumps(
-                {
-                    "kernel": kernel.name,
-                    "device": str(device),
-                    "dtype": str(dtype),
-                    "ring": ring,
-                    "causal": causal,
-                    "heads": heads,
-                    "kv_heads": kv_heads,
-                    "errors": errors,
-                    "ok": ok,
-                }
-            )
+        rows.append(
+            {"ring": ring, "causal": causal, "heads": heads, "kv_heads": kv_heads, "errors": errors}
+            | {"ok": max(errors.values()) <= bound}
         )
-    return 1 if failed else 0
+    return rows
+
+
+class _ReferenceAttention:
+    """Stands in for a model's CP context: per-document float32 SDPA (GQA by repeating KV heads)."""
+
+    def __init__(self, cu: list[int]) -> None:
+        self.cu = cu
+
+    def attention(self, q, k, v, *, causal=True, scale=None):
+        rep = q.shape[1] // k.shape[1]
+        outs = [
+            F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1),
+                k[a:b].transpose(0, 1).repeat_interleave(rep, 0),
+                v[a:b].transpose(0, 1).repeat_interleave(rep, 0),
+                is_causal=causal,
+                scale=scale,
+            ).transpose(0, 1)
+            for a, b in itertools.pairwise(self.cu)
+        ]
+        return torch.cat(outs)
+
+
+def _microbatch(lengths: list[int], vocab: int, seed: int):
+    from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+    from lightning_hydra.planner import Group
+
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(2, vocab, (n,), generator=g) for n in lengths]
+    cu = [0, *itertools.accumulate(lengths)]
+    tokens = torch.cat(docs)
+    labels = torch.cat([torch.cat([d[1:], d.new_full((1,), IGNORE_INDEX)]) for d in docs])
+    meta = ZigzagMeta.from_cu_seqlens(cu, 1)
+    positions, source = zigzag_source_index(meta, 0)
+    real = source >= 0
+    ids = torch.zeros(meta.shard_len, dtype=torch.long)
+    lab = torch.full((meta.shard_len,), IGNORE_INDEX, dtype=torch.long)
+    ids[real] = tokens[source[real]]
+    lab[real] = labels[source[real]]
+    seq_ids = tuple(range(len(lengths)))
+    mb = RankMicrobatch(ids, lab, positions, tuple(cu), Group((0,), 1, 1, seq_ids), seq_ids)
+    # the reference sees the unpadded bin in bin order, positions restarting at every document
+    ref_positions = torch.arange(cu[-1]) - torch.repeat_interleave(torch.tensor(cu[:-1]), torch.tensor(lengths))
+    return mb, tokens, labels, ref_positions
+
+
+def train_check(
+    device: torch.device, kernel: str, dtype: torch.dtype, lengths: list[int] | None = None, hidden: int = 256
+) -> dict:
+    """One full training step of DecoderLM in ``dtype`` through the engine, against a float32 reference."""
+    from lightning_hydra.models.decoder import DecoderLM
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 258, "hidden_size": hidden, "num_layers": 2, "num_heads": 8, "num_kv_heads": 2}
+    model = DecoderLM(**shape)
+    model.local_cp.kernel = kernel
+    mb, tokens, labels, ref_positions = _microbatch(lengths or TRAIN_LENGTHS, 258, seed=1)
+    reference = DecoderLM(**shape)
+    reference.load_state_dict(model.state_dict())
+    model.to(device=device, dtype=dtype)
+    reference.to(device=device, dtype=torch.float32)
+    for layer in reference.layers:
+        object.__setattr__(layer.attn, "hydra_cp", _ReferenceAttention(list(mb.cu_seqlens)))
+    mb.input_ids, mb.labels, mb.position_ids = (x.to(device) for x in (mb.input_ids, mb.labels, mb.position_ids))
+    trained = int((mb.labels != -100).sum())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    with model.local_cp.use(CPGroup((0,), 1, 1), mb.cu_seqlens):
+        loss = model.microbatch_loss(mb) / trained
+    loss.backward()
+    grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+    ref_logits = reference(tokens.to(device), ref_positions.to(device))
+    ref_loss = F.cross_entropy(ref_logits.float(), labels.to(device), ignore_index=-100, reduction="sum") / trained
+    ref_loss.backward()
+    grad_errors = [_rel(grads[name], p.grad) for name, p in reference.named_parameters()]
+    loss_error = abs(float(loss.detach()) - float(ref_loss.detach())) / abs(float(ref_loss.detach()))
+    finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    bound = BF16_BOUND if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    # bf16 gradients: relative max error over each tensor; bounded loosely (bf16 has 8 mantissa bits)
+    grad_bound = 0.1 if dtype in (torch.bfloat16, torch.float16) else 1e-3
+    return {
+        "kernel": model.local_cp.kernel_for(device).name,
+        "dtype": str(dtype),
+        "tokens": mb.num_tokens,
+        "loss": float(loss.detach()),
+        "reference_loss": float(ref_loss.detach()),
+        "loss_error": loss_error,
+        "max_grad_error": max(grad_errors),
+        "step_seconds": round(seconds, 4),
+        "peak_bytes_per_token": None if peak is None else round(peak / mb.num_tokens, 1),
+        "ok": finite and loss_error <= bound and max(grad_errors) <= grad_bound,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the checks; print one JSON line per check and a summary; exit 1 if any failed."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kernel", default="auto")
+    parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
+    parser.add_argument("--quick", action="store_true", help="small bins and model (the CPU test)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"ok": False, "error": "CUDA is not available; run with --device cpu"}))
+        return 1
+    kernel = select_kernel(device, args.kernel)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    quick = {"lengths": [40, 7, 1, 16]} if args.quick else {}
+    train = train_check(device, args.kernel, dtype, hidden=64 if args.quick else 256, **quick)
+    print(json.dumps({"check": "train_step"} | train), flush=True)
+    rings = ring_checks(device, kernel, dtype, **quick)
+    for row in rings:
+        print(json.dumps({"check": "ring"} | row), flush=True)
+    summary = {
+        "summary": True,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "kernel": kernel.name,
+        "dtype": str(dtype),
+        "train_step_ok": train["ok"],
+        "peak_bytes_per_token": train["peak_bytes_per_token"],
+        "ring_ok": all(r["ok"] for r in rings),
+        "worst_ring_error": max(max(r["errors"].values()) for r in rings),
+        "ok": train["ok"] and all(r["ok"] for r in rings),
+    }
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

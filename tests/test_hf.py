@@ -47,7 +47,8 @@ def test_packed_documents_match_separate_sdpa_runs() -> None:
     shard_ids = torch.where(source >= 0, ids[source.clamp_min(0)], torch.zeros_like(source))
     with torch.no_grad(), context.use(CPContext.local_group(), cu):
         packed = model(shard_ids[None], position_ids=zigzag_positions(cu, 1, 0)[None]).logits[0]
-    torch.testing.assert_close(packed[source >= 0], separate, rtol=1e-5, atol=1e-5)
+    real = source >= 0  # the shard lists documents by decreasing chunk size: compare token by token
+    torch.testing.assert_close(packed[real], separate[source[real]], rtol=1e-5, atol=1e-5)
     remove_hf(model)
     assert model.config._attn_implementation == "sdpa"
     assert not any("hydra_cp" in m.__dict__ for m in model.modules())

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from lightning_hydra.cp.groups import CPGroup
 from lightning_hydra.cp.kernels import AttentionKernel, select_kernel
-from lightning_hydra.cp.layout import ZigzagMeta
-from lightning_hydra.cp.ring import RingLayout, ring_attention
-from lightning_hydra.cp.ulysses import gathered_order, ulysses_gather, ulysses_scatter
+from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout
+from lightning_hydra.cp.ring import ring_attention
+from lightning_hydra.cp.ulysses import ulysses_gather, ulysses_scatter
 
-__all__ = ["hydra_attn_func", "kv_replication"]
+__all__ = ["attend", "check_inputs", "hydra_attn_func", "kv_replication"]
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
@@ -31,11 +32,74 @@ def kv_replication(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
     raise ValueError(f"{num_kv_heads} KV heads cannot be spread over ulysses {ulysses} for {num_heads} heads")
 
 
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGroup, layout: MicrobatchLayout) -> None:
+    """Raise ``ValueError`` for shapes that do not fit the group and the bin (host checks only)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    t, heads, dim = q.shape
+    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != dim:
+        raise ValueError(f"k and v must be [{t}, Hkv, {dim}]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if heads % k.shape[1]:
+        raise ValueError(f"{heads} query heads are not a multiple of {k.shape[1]} KV heads")
+    if heads % group.ulysses:
+        raise ValueError(f"{heads} attention heads cannot be split over a Ulysses degree of {group.ulysses}")
+    meta = layout.meta
+    if t != meta.shard_len:
+        raise ValueError(
+            f"shard has {t} tokens but a degree-{group.degree} zigzag shard of sequences {list(meta.lengths)[:8]} "
+            f"has {meta.shard_len}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def plan_for(
+    layout: MicrobatchLayout, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, causal: bool, ulysses: int
+) -> AttentionPlan:
+    """A fresh plan for these inputs (callers with a microbatch cache it: see :class:`CPContext`)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    f = kv_replication(heads, kv_heads, ulysses)
+    return AttentionPlan.build(
+        layout, kernel, q.device, causal=causal, heads=heads // ulysses, kv_heads=kv_heads * f // ulysses
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: CPGroup,
+    rank: int,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """The engine behind :func:`hydra_attn_func` with a ready plan (inputs already checked)."""
+    if q.shape[0] == 0:
+        # an empty bin (every member is empty): nothing to attend, no communication; q, k and v all stay in the
+        # graph, so that the backward reaches the same modules as on a rank with tokens (FSDP hooks count on it)
+        return q * 0.0 + (k.sum() + v.sum()) * 0.0
+    peers = group.ring_peers(rank)
+    u = group.ulysses
+    if u == 1:
+        return ring_attention(q, k, v, plan, peers, scale=scale, pool=group.buffers, clock=group.clock)
+    f = kv_replication(q.shape[1], k.shape[1], u)
+    if f > 1:
+        k = k.repeat_interleave(f, dim=1)
+        v = v.repeat_interleave(f, dim=1)
+    pg = group.ulysses_groups[group.ulysses_block(rank)]
+    q2, k2, v2 = ulysses_gather(q, k, v, pg, u, plan.order, plan.inverse, group.clock)
+    out2 = ring_attention(q2, k2, v2, plan, peers, scale=scale, pool=group.buffers, clock=group.clock)
+    return ulysses_scatter(out2, pg, u, plan.order, plan.inverse, group.clock)
+
+
 def hydra_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: Sequence[int] | torch.Tensor,
+    cu_seqlens: Sequence[int] | np.ndarray | torch.Tensor,
     *,
     group: CPGroup,
     causal: bool = True,
@@ -44,17 +108,19 @@ def hydra_attn_func(
 ) -> torch.Tensor:
     """Attention of this rank's zigzag shard of a bin, with the rest of the bin held by the other members.
 
-    Every sequence attends only to itself (document masking). Differentiable; gradients are exact.
+    Every sequence attends only to itself (document masking). Differentiable; gradients are exact. This builds
+    the microbatch's plan (index tensors, boundaries) on every call; inside :meth:`CPContext.use` the plan is
+    built once per microbatch and shared by every layer.
 
     Args:
         q: ``[t, H, D]`` this rank's shard of the queries (zigzag layout of degree ``group.degree``).
         k: ``[t, Hkv, D]`` keys (``H`` a multiple of ``Hkv``).
         v: ``[t, Hkv, D]`` values.
-        cu_seqlens: *Unpadded* sequence boundaries of the whole bin (``0, L_0, L_0 + L_1, ...``).
+        cu_seqlens: *Unpadded* sequence boundaries of the whole bin (``0, L_0, L_0 + L_1, ...``), host values.
         group: The CP group (from :meth:`GroupCache.get`); the calling rank must be a member.
         causal: Causal attention within each sequence.
         softmax_scale: Scale of the scores (default ``D ** -0.5``).
-        kernel: ``"auto"``, ``"cpu"``, ``"flash"`` or a kernel object.
+        kernel: One of :data:`~lightning_hydra.cp.kernels.KERNEL_NAMES` or a kernel object.
 
     Returns:
         ``[t, H, D]``: this rank's shard of the output.
@@ -66,58 +132,10 @@ def hydra_attn_func(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     member = group.member(rank)
-    u, r = group.ulysses, group.ring
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"q, k, v must be [tokens, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    t, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != dim:
-        raise ValueError(f"k and v must be [{t}, Hkv, {dim}]; got {tuple(k.shape)} and {tuple(v.shape)}")
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    if heads % u:
-        raise ValueError(f"{heads} attention heads cannot be split over a Ulysses degree of {u}")
-    meta = ZigzagMeta.from_cu_seqlens(cu_seqlens, group.degree)
-    if t != meta.shard_len:
-        raise ValueError(
-            f"shard has {t} tokens but a degree-{group.degree} zigzag shard of sequences {list(meta.lengths)[:8]} "
-            f"has {meta.shard_len}"
-        )
+    layout = MicrobatchLayout(cu_seqlens, group.ulysses, group.ring, member)
+    check_inputs(q, k, v, group, layout)
     kern = select_kernel(q.device, kernel) if isinstance(kernel, str) else kernel
     kern.check_dtype(q.dtype)
-    scale = dim**-0.5 if softmax_scale is None else float(softmax_scale)
-    peers = group.ring_peers(rank)
-    layout = RingLayout(meta.lengths, tuple(u * c for c in meta.chunks), r, member // u)
-    if u == 1:
-        return ring_attention(
-            q, k, v, layout, peers, causal=causal, scale=scale, kernel=kern, pool=group.buffers, clock=group.clock
-        )
-
-    f = kv_replication(heads, kv_heads, u)
-    if f > 1:
-        k = k.repeat_interleave(f, dim=1)
-        v = v.repeat_interleave(f, dim=1)
-    hk = k.shape[1]
-    pg = group.ulysses_groups[group.ulysses_block(rank)]
-    order = gathered_order(meta, u)
-    # one all-to-all for q, k and v: member i receives, for its head slices, the whole super-chunk
-    packed = torch.cat(
-        [q.view(t, u, heads // u, dim), k.view(t, u, hk // u, dim), v.view(t, u, hk // u, dim)], dim=2
-    ).view(t, heads + 2 * hk, dim)
-    gathered = ulysses_gather(packed, pg, u, order, group.clock)
-    q2, k2, v2 = gathered.split([heads // u, hk // u, hk // u], dim=1)
-    out2 = ring_attention(
-        q2.contiguous(),
-        k2.contiguous(),
-        v2.contiguous(),
-        layout,
-        peers,
-        causal=causal,
-        scale=scale,
-        kernel=kern,
-        pool=group.buffers,
-        clock=group.clock,
-    )
-    return ulysses_scatter(out2, pg, u, order, group.clock)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    plan = plan_for(layout, kern, q, k, causal, group.ulysses)
+    return attend(q, k, v, group=group, rank=rank, plan=plan, scale=scale)

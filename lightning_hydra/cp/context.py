@@ -3,32 +3,45 @@
 The strategy owns one :class:`CPContext` and sets it for every microbatch; attention layers hold a reference to it
 (given by :func:`apply_cp`, taken back by :func:`remove_cp`) and call :meth:`CPContext.attention`. Without a
 strategy a layer uses a context of its own: degree 1 on the calling rank.
+
+Entering a microbatch (:meth:`CPContext.use`) computes its host-side layout once; the first attention call of the
+microbatch builds the device-side plan (index tensors, kernel boundaries) and every later layer, forward and
+backward, reuses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hydra.cp.attention import hydra_attn_func
+from lightning_hydra.cp.attention import attend, check_inputs, plan_for
 from lightning_hydra.cp.groups import CPGroup
+from lightning_hydra.cp.kernels import KERNEL_NAMES, AttentionKernel, select_kernel
+from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout
 
 __all__ = ["CPContext", "Microbatch", "apply_cp", "remove_cp"]
 
 
 @dataclass(frozen=True)
 class Microbatch:
-    """What attention needs to know about the bin being processed."""
+    """What attention needs to know about the bin being processed, and the plans built for it."""
 
     group: CPGroup
     """The CP group of this rank in this microbatch."""
     cu_seqlens: tuple[int, ...]
     """Unpadded sequence boundaries of the whole bin."""
+    rank: int = 0
+    """This process's global rank."""
+    layout: MicrobatchLayout | None = field(default=None, compare=False)
+    """Host-side geometry (computed when the microbatch is entered)."""
+    plans: dict[tuple[Any, ...], AttentionPlan] = field(default_factory=dict, compare=False, repr=False)
+    """Device-side plans by ``(kernel, device, causal, heads, kv_heads)``, built on first use."""
 
 
 class CPContext:
@@ -36,18 +49,34 @@ class CPContext:
 
     def __init__(self, kernel: str = "auto") -> None:
         """Args:
-        kernel: Attention kernel name for :func:`hydra_attn_func` (``auto``, ``cpu``, ``flash``).
+        kernel: Attention kernel preference, one of :data:`~lightning_hydra.cp.kernels.KERNEL_NAMES`.
         """
+        if kernel not in KERNEL_NAMES:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNEL_NAMES)}")
         self.kernel = kernel
         self.current: Microbatch | None = None
+        self._kernels: dict[torch.device, AttentionKernel] = {}
+
+    def kernel_for(self, device: torch.device) -> AttentionKernel:
+        """The kernel this context uses on ``device`` (chosen once per device)."""
+        kern = self._kernels.get(device)
+        if kern is None:
+            kern = self._kernels[device] = select_kernel(device, self.kernel)
+        return kern
 
     @contextmanager
-    def use(self, group: CPGroup, cu_seqlens: Sequence[int]) -> Iterator[None]:
-        """Make ``(group, cu_seqlens)`` current for the duration of the block."""
+    def use(self, group: CPGroup, cu_seqlens: Sequence[int]) -> Iterator[Microbatch]:
+        """Make ``(group, cu_seqlens)`` current for the duration of the block (yields the :class:`Microbatch`).
+
+        The microbatch's layout is computed here, once; its device plans on the first attention call.
+        """
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        cu = tuple(int(x) for x in cu_seqlens)
+        layout = MicrobatchLayout(cu, group.ulysses, group.ring, group.member(rank))
         previous = self.current
-        self.current = Microbatch(group, tuple(int(x) for x in cu_seqlens))
+        self.current = Microbatch(group, cu, rank, layout)
         try:
-            yield
+            yield self.current
         finally:
             self.current = previous
 
@@ -55,18 +84,18 @@ class CPContext:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
     ) -> torch.Tensor:
         """CP attention of this rank's shard ``[t, H, D]`` for the current microbatch."""
-        if self.current is None:
+        mb = self.current
+        if mb is None or mb.layout is None:
             raise RuntimeError("no CP microbatch is active: run the forward inside CPContext.use(group, cu_seqlens)")
-        return hydra_attn_func(
-            q,
-            k,
-            v,
-            self.current.cu_seqlens,
-            group=self.current.group,
-            causal=causal,
-            softmax_scale=scale,
-            kernel=self.kernel,
-        )
+        check_inputs(q, k, v, mb.group, mb.layout)
+        kern = self.kernel_for(q.device)
+        kern.check_dtype(q.dtype)
+        key = (kern.name, q.device, bool(causal), q.shape[1], k.shape[1])
+        plan = mb.plans.get(key)
+        if plan is None:
+            plan = mb.plans[key] = plan_for(mb.layout, kern, q, k, bool(causal), mb.group.ulysses)
+        softmax_scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+        return attend(q, k, v, group=mb.group, rank=mb.rank, plan=plan, scale=softmax_scale)
 
     @staticmethod
     def local_group() -> CPGroup:

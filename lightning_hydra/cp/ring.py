@@ -1,119 +1,37 @@
 """The outer ring: KV blocks travel around ``ring`` ranks by batched P2P, overlapped with attention.
 
-The local tensors are a zigzag shard of degree ``r`` over ``2r`` (super-)chunks of ``C_i`` tokens per sequence:
-ring position ``p`` holds chunks ``p`` and ``2r-1-p`` of every sequence. At step ``s`` a rank holds the KV block of
-ring position ``src = (p - s) mod r``. With causal attention (positions only increase along a shard):
+The local tensors are a zigzag shard of degree ``r`` over ``2r`` (super-)chunks per sequence; which rows interact at
+each step is in the microbatch's :class:`~lightning_hydra.cp.plan.AttentionPlan` (see
+:func:`~lightning_hydra.cp.blocks.ring_segments`). Partial results merge by log-sum-exp in float32.
 
-- ``src == p``: the causal diagonal over the rank's own ``2 C_i`` tokens;
-- ``src < p``: all local queries see the block's first half (chunk ``src``), the second half not at all;
-- ``src > p``: only the second half of the local queries (chunk ``2r-1-p``) sees the block, all of it.
+Short sequences (padded length at most the kernel's ``gather_limit``; the CPU kernel sets one) are not attended
+block by block: a ring step costs a kernel a fixed amount per query row and call, and a ring of ``r`` ranks visits
+every query row about ``1 + 0.75 (r - 1)`` times. Their rows (a suffix of every shard, which lists sequences by
+decreasing size) are copied out of each KV block as it passes, into keys ordered by position; after the last step
+each local query chunk attends to its whole causal prefix in one call. In the backward their key gradients are
+computed first and added to each block's travelling dK/dV accumulator as it passes: no extra collective.
 
-Padding is a suffix of each sequence, so with causal attention no real query sees a padded key. Without the causal
-mask every query sees every block, minus its padded keys, which always form a suffix of the block.
+Forward: at every step the transfer of the next KV block is posted before the current block is computed, and
+waited for after. Backward (as ring-flash-attention does): the next KV transfer *and* the transfer of the dK/dV
+accumulator of the previous step are both in flight while the current block is computed; the accumulator of a
+block travels with it, and after the last step reaches the block's owner. dQ accumulates locally. Accumulators are
+float32, and dK/dV travel in float32 (4 bytes per element, as the cost model charges) so that the sum over ring
+steps is exact to float32 whatever the activations' dtype.
 
-Partial results merge by log-sum-exp in float32. The backward runs the ring again: each step's ``dK``/``dV`` are
-added to an accumulator that travels with its block and returns to the owner after the last step; ``dQ``
-accumulates locally in float32.
+With one ring rank nothing is merged: the kernel writes the output (and the gradients) directly in the inputs'
+dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from lightning_hydra.cp.blocks import Accumulator
 from lightning_hydra.cp.groups import BufferPool, CommClock
-from lightning_hydra.cp.kernels import AttentionKernel
+from lightning_hydra.cp.plan import AttentionPlan
 
-__all__ = ["RingLayout", "ring_attention"]
-
-
-@dataclass(frozen=True)
-class _Step:
-    """Rows of one step: query rows (``None``: all), key rows of the block (``None``: all), and boundaries."""
-
-    q_rows: torch.Tensor | None
-    k_rows: torch.Tensor | None
-    cu_q: list[int]
-    cu_k: list[int]
-    causal: bool
-
-
-def _cumsum(sizes: list[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
-
-
-def _rows(starts: list[int], sizes: list[int]) -> torch.Tensor:
-    if not starts:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.cat([torch.arange(a, a + n, dtype=torch.int64) for a, n in zip(starts, sizes, strict=True)])
-
-
-@dataclass(frozen=True)
-class RingLayout:
-    """Per-sequence sizes of a ring-level zigzag shard and the rank's ring position."""
-
-    lengths: tuple[int, ...]
-    """Unpadded sequence lengths."""
-    chunks: tuple[int, ...]
-    """Chunk (super-chunk) size ``C_i`` of every sequence; each sequence holds ``2 C_i`` local tokens."""
-    ring: int
-    """Ring degree ``r``."""
-    pos: int
-    """This rank's ring position ``p``."""
-
-    def step(self, src: int, causal: bool) -> _Step | None:
-        """The rows that interact when this rank holds the KV block of ring position ``src`` (``None``: none)."""
-        offsets = _cumsum([2 * c for c in self.chunks])[:-1]
-        full = [2 * c for c in self.chunks]
-        half = list(self.chunks)
-        if causal:
-            if src == self.pos:
-                return _Step(None, None, _cumsum(full), _cumsum(full), True)
-            if src < self.pos:
-                return _Step(None, _rows(offsets, half), _cumsum(full), _cumsum(half), False)
-            second = [o + c for o, c in zip(offsets, self.chunks, strict=True)]
-            return _Step(_rows(second, half), None, _cumsum(half), _cumsum(full), False)
-        # without the causal mask: every query, the block's unpadded keys (a prefix of each sequence's block)
-        valid = [
-            min(c, max(0, n - src * c)) + min(c, max(0, n - (2 * self.ring - 1 - src) * c))
-            for n, c in zip(self.lengths, self.chunks, strict=True)
-        ]
-        if not any(valid):
-            return None
-        return _Step(None, _rows(offsets, valid), _cumsum(full), _cumsum(valid), False)
-
-
-def _select(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """Token rows of a head-major tensor (dim 1)."""
-    return x if rows is None else x.index_select(1, rows)
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor) -> None:
-    """Fold a partial ``(o, lo)`` into the accumulators at ``rows``: ``lse = max + log1p(exp(min - max))``.
-
-    Head-major: ``out [H, t, D]``, ``lse [H, t]``.
-    """
-    old_o = _select(out, rows)
-    old_l = _select(lse, rows)
-    hi = torch.maximum(old_l, lo)
-    finite = torch.isfinite(hi)
-    hi_safe = torch.where(finite, hi, 0.0)
-    new_l = torch.where(finite, hi_safe + torch.log1p(torch.exp(torch.minimum(old_l, lo) - hi_safe)), hi)
-    base = torch.where(finite, new_l, 0.0)
-    w_old = torch.where(finite, torch.exp(old_l - base), 0.0).unsqueeze(-1)
-    w_new = torch.where(finite, torch.exp(lo - base), 0.0).unsqueeze(-1)
-    new_o = old_o * w_old + o * w_new
-    if rows is None:
-        out.copy_(new_o)
-        lse.copy_(new_l)
-    else:
-        out.index_copy_(1, rows, new_o)
-        lse.index_copy_(1, rows, new_l)
+__all__ = ["ring_attention"]
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int) -> list:
@@ -122,15 +40,22 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int) -> lis
     return dist.batch_isend_irecv(ops)
 
 
-def _add(acc: torch.Tensor, rows: torch.Tensor | None, part: torch.Tensor) -> None:
-    if rows is None:
-        acc += part
-    else:
-        acc.index_add_(1, rows, part)
+def _wait(works: list, clock: CommClock) -> None:
+    if works:
+        with clock.measure():
+            for work in works:
+                work.wait()
+
+
+def _flat(rows: int, dim: int, dtype: torch.dtype, like: torch.Tensor, zero: bool) -> torch.Tensor:
+    """A flat ``[rows + 1, dim]`` accumulator (last row: the sink) on ``like``'s device."""
+    if zero:
+        return torch.zeros((rows + 1, dim), dtype=dtype, device=like.device)
+    return torch.empty((rows + 1, dim), dtype=dtype, device=like.device)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention on head-major tensors ``[H, t, D]`` (see :func:`ring_attention`)."""
+    """Ring attention on token-major tensors ``[t, H, D]`` (see :func:`ring_attention`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -138,128 +63,145 @@ class _RingAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layout: RingLayout,
+        plan: AttentionPlan,
         peers: tuple[int, ...],
-        causal: bool,
         scale: float,
-        kernel: AttentionKernel,
         pool: BufferPool,
         clock: CommClock,
     ) -> torch.Tensor:
-        r, p = layout.ring, layout.pos
-        hkv = k.shape[0]
-        shape = (2 * hkv, k.shape[1], k.shape[2])
-        cur = pool.get("ring.kv.a", shape, k.dtype, k.device)
-        nxt = pool.get("ring.kv.b", shape, k.dtype, k.device)
-        torch.cat([k, v], dim=0, out=cur)
-        out: torch.Tensor | None = None
-        lse: torch.Tensor | None = None
-        for s in range(r):
-            pending = _exchange(cur, nxt, peers[(p + 1) % r], peers[(p - 1) % r]) if s < r - 1 else []
-            step = layout.step((p - s) % r, causal)
-            if step is not None:
-                kb, vb = _select(cur[:hkv], step.k_rows), _select(cur[hkv:], step.k_rows)
-                o, lo = kernel.forward(_select(q, step.q_rows), kb, vb, step.cu_q, step.cu_k, step.causal, scale)
-                if out is None and step.q_rows is None:
-                    out, lse = o, lo  # the first partial covering every row is the accumulator
-                else:
-                    if out is None:
-                        out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)
-                        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-                    _merge(out, lse, step.q_rows, o, lo)
-            with clock.measure():
-                for work in pending:
-                    work.wait()
-            cur, nxt = nxt, cur
-        if out is None:  # nothing visible anywhere (cannot happen for real sequences)
-            out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)
-            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, peers, causal, scale, kernel, pool, clock)
+        kernel, r, p = plan.kernel, plan.layout.ring, plan.layout.pos
+        t, heads, dim = q.shape
+        acc = Accumulator(t, heads, dim, q.dtype if r == 1 else torch.float32, q.device, init=not plan.first_covers)
+        kpos = None
+        if r == 1:
+            if plan.steps[0] is not None:
+                kernel.forward(q, k, v, plan.steps[0], scale, acc, first=True)
+        else:
+            shape = (2, *k.shape)
+            cur = pool.get("ring.kv.a", shape, k.dtype, k.device)
+            nxt = pool.get("ring.kv.b", shape, k.dtype, k.device)
+            cur[0].copy_(k)
+            cur[1].copy_(v)
+            split, index = plan.split, plan.gather_index
+            if plan.gathered is not None:
+                kpos = torch.empty((2, index.numel(), *k.shape[1:]), dtype=k.dtype, device=k.device)
+            for s in range(r):
+                pending = _exchange(cur, nxt, peers[(p + 1) % r], peers[(p - 1) % r]) if s < r - 1 else []
+                if plan.gathered is not None:
+                    kpos.index_copy_(1, index[(p - s) % r], cur[:, split:])
+                if plan.steps[s] is not None:
+                    kernel.forward(q, cur[0], cur[1], plan.steps[s], scale, acc, first=s == 0)
+                _wait(pending, clock)
+                cur, nxt = nxt, cur
+            if plan.gathered is not None:
+                kernel.gathered_forward(q, kpos[0], kpos[1], plan.gathered, scale, acc)
+        out = acc.out3() if r == 1 else acc.out3().to(q.dtype)
+        if not (plan.causal and plan.first_covers):  # rows that saw no key: P = exp(s - inf) = 0 in the backward
+            acc.lse.masked_fill_(acc.lse == float("-inf"), float("inf"))
+        acc.lse[acc.sink] = float("inf")
+        ctx.save_for_backward(q, k, v, out, acc.lse, kpos)
+        ctx.args = (plan, peers, scale, pool, clock)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        layout, peers, causal, scale, kernel, pool, clock = ctx.args
-        r, p = layout.ring, layout.pos
-        hkv = k.shape[0]
-        nxt_rank, prv_rank = peers[(p + 1) % r], peers[(p - 1) % r]
+        q, k, v, out, lse, kpos = ctx.saved_tensors
+        plan, peers, scale, pool, clock = ctx.args
+        kernel, r, p = plan.kernel, plan.layout.ring, plan.layout.pos
+        t, heads, dim = q.shape
+        tk, kv_heads = k.shape[0], k.shape[1]
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        shape = (2 * hkv, k.shape[1], k.shape[2])
+        first = plan.steps[0]
+        if r == 1:
+            covers_k = first is not None and first.covers_k
+            dq = _flat(t * heads, dim, q.dtype, q, zero=not plan.first_covers)
+            dk = _flat(tk * kv_heads, dim, k.dtype, k, zero=not covers_k)
+            dv = _flat(tk * kv_heads, dim, v.dtype, v, zero=not covers_k)
+            if first is not None:
+                kernel.backward(dout, q, k, v, out, lse, first, scale, dq, dq_add=False)(dk, dv, False)
+            return (
+                dq[: t * heads].view(q.shape),
+                dk[: tk * kv_heads].view(k.shape),
+                dv[: tk * kv_heads].view(v.shape),
+                *(None,) * 5,
+            )
+
+        nxt_rank, prv_rank = peers[(p + 1) % r], peers[(p - 1) % r]
+        dq = _flat(t * heads, dim, torch.float32, q, zero=not plan.first_covers)
+        split, index = plan.split, plan.gather_index
+        dgathered = None
+        if plan.gathered is not None:  # the gathered sequences first: their dK/dV join each block as it passes
+            dgathered = kernel.gathered_backward(dout, q, kpos[0], kpos[1], out, lse, plan.gathered, scale, dq)
+        travel_kv = plan.split > 0  # the same on every member (a step's segments may be empty on one rank only)
+        shape = (2, *k.shape)
         cur = pool.get("ring.bkv.a", shape, k.dtype, k.device)
         nxt = pool.get("ring.bkv.b", shape, k.dtype, k.device)
-        dkv = pool.get("ring.dkv.a", shape, torch.float32, k.device).zero_()
-        dkv_in = pool.get("ring.dkv.b", shape, torch.float32, k.device)
-        torch.cat([k, v], dim=0, out=cur)
+        acc_shape = (2, tk * kv_heads + 1, dim)
+        held = pool.get("ring.dkv.a", acc_shape, torch.float32, k.device)
+        spare = pool.get("ring.dkv.b", acc_shape, torch.float32, k.device)
+        cur[0].copy_(k)
+        cur[1].copy_(v)
+        pending_dkv: list = []
         for s in range(r):
-            pending = _exchange(cur, nxt, nxt_rank, prv_rank) if s < r - 1 else []
-            step = layout.step((p - s) % r, causal)
+            pending_kv = _exchange(cur, nxt, nxt_rank, prv_rank) if s < r - 1 and travel_kv else []
+            step = plan.steps[s]
+            apply = None
             if step is not None:
-                rows = step.q_rows
-                dq_s, dk_s, dv_s = kernel.backward(
-                    _select(dout, rows),
-                    _select(q, rows),
-                    _select(cur[:hkv], step.k_rows),
-                    _select(cur[hkv:], step.k_rows),
-                    _select(out, rows),
-                    _select(lse, rows).contiguous(),
-                    step.cu_q,
-                    step.cu_k,
-                    step.causal,
-                    scale,
-                )
-                _add(dq, rows, dq_s)
-                _add(dkv[:hkv], step.k_rows, dk_s)
-                _add(dkv[hkv:], step.k_rows, dv_s)
-            if r > 1:
-                # the accumulator travels with its block; after the last step it reaches the block's owner
-                with clock.measure():
-                    for work in _exchange(dkv, dkv_in, nxt_rank, prv_rank):
-                        work.wait()
-                dkv, dkv_in = dkv_in, dkv
-            with clock.measure():
-                for work in pending:
-                    work.wait()
+                dq_add = not (s == 0 and step.covers_q)
+                apply = kernel.backward(dout, q, cur[0], cur[1], out, lse, step, scale, dq, dq_add=dq_add)
+            if s == 0:
+                if not plan.first_covers_k:
+                    held[:, : split * kv_heads].zero_()
+                if apply is not None:
+                    apply(held[0], held[1], not plan.first_covers_k)
+            else:
+                _wait(pending_dkv, clock)  # the accumulator of the block now held, from the previous rank
+                held, spare = spare, held
+                if apply is not None:
+                    apply(held[0], held[1], True)
+            if dgathered is not None:
+                mine = held[:, split * kv_heads : tk * kv_heads].view(2, tk - split, kv_heads, dim)
+                part = dgathered.index_select(1, index[(p - s) % r])
+                if s == 0:
+                    mine.copy_(part)
+                else:
+                    mine.add_(part)
+            pending_dkv = _exchange(held, spare, nxt_rank, prv_rank)
+            _wait(pending_kv, clock)
             cur, nxt = nxt, cur
-        dk = dkv[:hkv].to(k.dtype, copy=True)
-        dv = dkv[hkv:].to(v.dtype, copy=True)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
+        _wait(pending_dkv, clock)
+        grads = spare[:, : tk * kv_heads].view(2, *k.shape)
+        dk = grads[0].to(k.dtype, copy=True)
+        dv = grads[1].to(v.dtype, copy=True)
+        return dq[: t * heads].view(q.shape).to(q.dtype), dk, dv, *(None,) * 5
 
 
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: RingLayout,
+    plan: AttentionPlan,
     peers: tuple[int, ...],
     *,
-    causal: bool,
     scale: float,
-    kernel: AttentionKernel,
     pool: BufferPool,
     clock: CommClock | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``peers`` (global ranks in ring order) on a ring-level zigzag shard.
 
     Args:
-        q: ``[t, H, D]`` local queries.
+        q: ``[t, H, D]`` local queries (token-major, contiguous).
         k: ``[t, Hkv, D]`` local keys (``H`` a multiple of ``Hkv``).
         v: ``[t, Hkv, D]`` local values.
-        layout: Sizes of the shard and this rank's ring position.
-        peers: Global ranks of the ring, ``peers[layout.pos]`` being this rank.
-        causal: Causal (decoder) attention.
+        plan: The microbatch's plan (kernel, ring position and every step's rows).
+        peers: Global ranks of the ring, ``peers[plan.layout.pos]`` being this rank.
         scale: Softmax scale.
-        kernel: The attention kernel.
         pool: Communication buffers.
         clock: Accumulates the time spent waiting for transfers (default: a throw-away clock).
 
     Returns:
         ``[t, H, D]`` attention output for the local queries.
     """
-    # work head-major inside: the CPU kernel reads [heads, tokens, dim] fastest
-    heads_first = [x.transpose(0, 1).contiguous() for x in (q, k, v)]
-    out = _RingAttention.apply(*heads_first, layout, peers, causal, scale, kernel, pool, clock or CommClock())
-    return out.transpose(0, 1).contiguous()
+    return _RingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), plan, peers, scale, pool, clock or CommClock()
+    )

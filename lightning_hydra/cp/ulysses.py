@@ -4,7 +4,12 @@ Member ``j = p * u + i`` holds zigzag chunks ``j`` and ``2d-1-j`` of every seque
 ``u`` members of ring position ``p`` together hold, for ``H / u`` heads each, chunks ``p*u .. p*u+u-1`` (super-chunk
 ``p``) and ``2d-1-(p*u+u-1) .. 2d-1-p*u`` (super-chunk ``2r-1-p``): an ordinary zigzag layout of degree ``r`` over
 ``2r`` super-chunks. The second halves arrive from members ``i = 0..u-1`` in *descending* chunk order, so they
-are reversed into ascending order here, and back before the return all-to-all.
+are reversed into ascending order here, and back before the return all-to-all. The order and its inverse are
+device tensors of the microbatch's plan (:func:`lightning_hydra.cp.plan.gathered_order`), built once.
+
+Queries, keys and values travel in one all-to-all; the reorder and the split into three contiguous tensors are one
+gather, and the backward of a reorder is a gather by the inverse permutation (no scatter into zeros, which
+autograd's ``index_select`` backward would do).
 """
 
 from __future__ import annotations
@@ -13,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_hydra.cp.groups import CommClock
-from lightning_hydra.cp.layout import ZigzagMeta
 
-__all__ = ["gathered_order", "ulysses_gather", "ulysses_scatter"]
+__all__ = ["ulysses_gather", "ulysses_scatter"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -41,34 +45,53 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None
 
 
-def gathered_order(meta: ZigzagMeta, ulysses: int) -> torch.Tensor:
-    """Row order that turns the received ``[u, t]`` rows (member-major) into the gathered zigzag layout.
+class _GatherSplit(torch.autograd.Function):
+    """Rows of ``x [n, heads, D]`` in ``order``, split along heads into contiguous tensors."""
 
-    Per sequence: first halves from members ``0..u-1``, then second halves from members ``u-1..0``.
-    """
-    t = meta.shard_len
-    order = []
-    off = 0
-    for c in meta.chunks:
-        first = [torch.arange(i * t + off, i * t + off + c) for i in range(ulysses)]
-        second = [torch.arange(i * t + off + c, i * t + off + 2 * c) for i in reversed(range(ulysses))]
-        order.extend(first + second)
-        off += 2 * c
-    return torch.cat(order) if order else torch.zeros(0, dtype=torch.int64)
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, sizes: tuple[int, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.inverse = inverse
+        return tuple(part.index_select(0, order) for part in x.split(list(sizes), dim=1))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        # a gather by the inverse permutation (measured faster than scattering into the slices with index_copy_)
+        return torch.cat(grads, dim=1).index_select(0, ctx.inverse), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, order)`` whose backward gathers by the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.inverse = inverse
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad.index_select(0, ctx.inverse), None, None
 
 
 def ulysses_gather(
-    x: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     group: dist.ProcessGroup | None,
     ulysses: int,
     order: torch.Tensor,
+    inverse: torch.Tensor,
     clock: CommClock | None = None,
-) -> torch.Tensor:
-    """``[t, H, D]`` member shard -> ``[u * t, H / u, D]`` ring-level shard for this member's head slice."""
-    t, heads, dim = x.shape
-    parts = x.view(t, ulysses, heads // ulysses, dim).transpose(0, 1)  # [u, t, H/u, D]: part i goes to member i
-    received = _AllToAll.apply(parts, group, clock or CommClock())  # [u, t, H/u, D]: part i came from member i
-    return received.reshape(ulysses * t, heads // ulysses, dim).index_select(0, order.to(x.device))
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Member shards ``[t, H, D]`` / ``[t, Hkv, D]`` -> ring-level shards ``[u * t, H / u, D]`` / ``[u * t, Hkv / u,
+    D]`` of this member's head slices, contiguous. ``order``/``inverse`` (on the inputs' device) are the plan's."""
+    t, dim = q.shape[0], q.shape[2]
+    sizes = tuple(x.shape[1] // ulysses for x in (q, k, v))
+    # part i (head slice i of q, k and v) goes to member i; one copy builds the contiguous send buffer
+    parts = torch.cat([x.view(t, ulysses, h, dim).transpose(0, 1) for x, h in zip((q, k, v), sizes, strict=True)], 2)
+    received = _AllToAll.apply(parts, group, clock or CommClock())  # part i came from member i
+    return _GatherSplit.apply(received.view(ulysses * t, sum(sizes), dim), order, inverse, sizes)
 
 
 def ulysses_scatter(
@@ -76,14 +99,13 @@ def ulysses_scatter(
     group: dist.ProcessGroup | None,
     ulysses: int,
     order: torch.Tensor,
+    inverse: torch.Tensor,
     clock: CommClock | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`ulysses_gather`: ``[u * t, H / u, D]`` -> ``[t, H, D]``."""
+    """Inverse of :func:`ulysses_gather` for the output: ``[u * t, H / u, D]`` -> ``[t, H, D]``."""
     rows, heads_part, dim = y.shape
     t = rows // ulysses
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), dtype=order.dtype)
-    back = y.index_select(0, inverse.to(y.device))
+    back = _PermuteRows.apply(y, inverse, order)
     # part i: my tokens, heads slice i
     received = _AllToAll.apply(back.view(ulysses, t, heads_part, dim), group, clock or CommClock())
     return received.transpose(0, 1).reshape(t, ulysses * heads_part, dim)
