@@ -37,7 +37,7 @@ def make_model() -> DecoderLM:
         num_kv_heads=2,
         lr=1.0,
         optimizer="sgd",
-        max_grad_norm=None,
+        max_grad_norm=0.2,  # active: the clip sees the norm over both stages' layers, as one process does
     )
 
 
@@ -55,6 +55,7 @@ class Log(pl.Callback):
                 "idle": sum(mb.num_tokens == 0 for mb in batch.microbatches),
                 "shapes": sorted({mb.num_tokens for mb in batch.microbatches}),
                 "stages": int(record.stages),
+                "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
                 "bubble": {k: v for k, v in step_metrics(record, replay=True).items() if k.startswith("bubble/pp")},
             }
         )
@@ -95,6 +96,7 @@ def test_pipeline_trains_like_one_process(tmp_path: Path, reference, stages: int
     for rows in ranks:
         assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     first = ranks[0][0]
+    assert max(r["grad_norm"] for r in ranks[0]) > 0.2  # clipping changed the update (and stayed exact)
     assert first["microbatches"] > stages  # more microbatches than stages: the steady 1F1B phase ran
     assert len(first["shapes"]) > 2  # microbatches of different shapes
     if stages == 2:

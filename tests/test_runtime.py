@@ -189,3 +189,28 @@ def test_cuda_timer_synchronises_once_per_step(monkeypatch) -> None:
     assert _FakeEvent.synchronized == 0  # nothing waits while the microbatches are issued
     assert timer.read() == [1.0, 1.0, 0.0, 1.0]
     assert _FakeEvent.synchronized == 1
+
+
+def test_clipping_matches_torch_on_whole_gradients_and_sums_stage_norms() -> None:
+    from lightning_hydra.strategy.clipping import clip_grad_norm
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b, strict=True):
+        p.grad = torch.randn_like(p) * 3
+        q.grad = p.grad.clone()
+    ours = clip_grad_norm(a, 1.0)
+    theirs = torch.nn.utils.clip_grad_norm_(b, 1.0)
+    torch.testing.assert_close(ours, theirs)
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    # two stages holding half the layers each clip by the norm over both, as one process holding all of them
+    c = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    c[0].grad, c[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])
+    other_stage = torch.tensor(4.0**2 + 3.0**2 + 0.0)  # the other stage's squared norm: 25
+    norm = clip_grad_norm(c, 1.0, stage_sum=lambda sq: sq + other_stage)
+    assert float(norm) == pytest.approx(50**0.5)
+    torch.testing.assert_close(c[0].grad, torch.tensor([3.0, 0.0]) / (50**0.5 + 1e-6))
+    with pytest.raises(ValueError, match="max_norm must be positive"):
+        clip_grad_norm(c, 0.0)

@@ -226,6 +226,16 @@ class HydraModule(pl.LightningModule):
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         return RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), Group((rank,), 1, 1), ())
 
+    def _clip_gradients(self, optimizer: Any, runtime: Any) -> None:
+        """Clip to ``max_grad_norm`` by the norm of the global gradient: over every shard (sharded state) and every
+        pipeline stage, as one process would (Lightning's clipping sees only this rank's, or this stage's,
+        parameters). A gradient scaler (``16-mixed``) is unscaled first."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            scaler.unscale_(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer)
+        norm = runtime.clip_grad_norm(self.parameters(), float(self.max_grad_norm))
+        self.log("train/grad_norm", norm, batch_size=1)
+
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
@@ -239,7 +249,7 @@ class HydraModule(pl.LightningModule):
         self.last_timing.wall = time.perf_counter() - start
         self.last_record = runtime.finish_step(batch, self.last_timing, int(self.global_step))
         if self.max_grad_norm:
-            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+            self._clip_gradients(optimizer, runtime)
         optimizer.step()
         scheduler = self.lr_schedulers()
         if scheduler is not None:

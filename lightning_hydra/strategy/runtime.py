@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,6 +37,7 @@ from lightning_hydra.planner import CostModel, DegreeRules, Group, Plan, Planner
 from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator
 from lightning_hydra.planner.memory import ModelMemoryShape
 from lightning_hydra.strategy.checks import check_digests, check_fits
+from lightning_hydra.strategy.clipping import clip_grad_norm
 from lightning_hydra.strategy.gradients import GradientReducer
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.sharding import ShardedGradientSync, ShardingPlan
@@ -230,6 +232,14 @@ class HydraRuntime(ABC):
     @abstractmethod
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum of a tensor over the pool."""
+
+    def stage_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the pipeline's stages of a scalar every rank of a stage holds alike (one stage: the value)."""
+        return value
+
+    def clip_grad_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradients by the global gradient's norm (every shard, every stage); returns the norm."""
+        return clip_grad_norm(parameters, max_norm, stage_sum=self.stage_sum)
 
     @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -513,6 +523,15 @@ class PoolRuntime(HydraRuntime):
         out = value.detach().clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
+
+    def stage_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the stages of a scalar each stage's ranks hold alike: the world gathers one value per rank and
+        adds pool position 0 of every stage, in stage order (the same sum on every rank)."""
+        if self.stages == 1:
+            return value
+        out = torch.empty(self.layout.world_size, dtype=value.dtype, device=value.device)
+        dist.all_gather_into_tensor(out, value.reshape(1))
+        return out[:: self.layout.pool].sum()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (the whole world, every stage), in rank order."""
