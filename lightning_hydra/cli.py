@@ -235,7 +235,10 @@ PLAN_LEGEND = """legend:
 
 def _plan_parser() -> argparse.ArgumentParser:
     from lightning_hydra.bench.batches import DISTRIBUTIONS
+    from lightning_hydra.models.checkpointing import CHECKPOINTING_MODES
     from lightning_hydra.planner import POLICIES
+    from lightning_hydra.planner.memory import MEMORY_PRECISIONS
+    from lightning_hydra.strategy.sharding import SHARDING_MODES
 
     parser = _parser(
         "plan",
@@ -262,6 +265,27 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-layers", type=pos, default=32, help="transformer blocks")
     parser.add_argument("--num-heads", type=pos, default=32, help="attention heads")
     parser.add_argument("--num-kv-heads", type=pos, default=8, help="key/value heads (GQA)")
+    parser.add_argument("--ffn-size", type=pos, default=14336, help="MLP width (with --memory)")
+    parser.add_argument("--vocab-size", type=pos, default=128256, help="vocabulary (with --memory)")
+    parser.add_argument(
+        "--pipeline-stages", type=_bounded(int, 1, 1024), default=1,
+        help="pipeline stages the microbatches flow through (the pool is one stage's ranks)",
+    )  # fmt: skip
+    memory = parser.add_argument_group(
+        "memory", "with --memory, the memory model sizes the capacity (max_tokens_per_rank='auto' does the same)"
+    )
+    memory.add_argument(
+        "--memory", default=None, metavar="BYTES",
+        help="per-rank memory budget, e.g. 80GB or 141GB: print what model state, communicators, margin and "
+        "activations take, a capacity table of every sharding and checkpointing mode, and plan at the capacity "
+        "left (unless --capacity is given)",
+    )  # fmt: skip
+    memory.add_argument("--sharding", default="zero3", choices=SHARDING_MODES, help="sharded training state")
+    memory.add_argument(
+        "--checkpointing", default="selective", choices=CHECKPOINTING_MODES, help="activation checkpointing"
+    )
+    memory.add_argument("--precision", default="bf16-mixed", choices=MEMORY_PRECISIONS, help="Trainer precision")
+    memory.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="optimizer state kept")
     parser.add_argument("--seed", type=_bounded(int, 0, None), default=0, help="seed of the batch and the planner")
     parser.add_argument("--json", action="store_true", help="print the plan's summary as JSON")
     parser.add_argument(
@@ -287,7 +311,13 @@ def _plan(argv: list[str]) -> int:
     if args.hidden_size % args.num_heads:
         parser.error(f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}")
     check_pool(args.world_size, args.ranks_per_node)
-    capacity = args.capacity or max(1024, args.context // 8)
+    sized = _memory(parser, args) if args.memory is not None else None
+    if args.capacity:
+        capacity = args.capacity
+    elif sized is not None:
+        capacity = sized.capacity
+    else:
+        capacity = max(1024, args.context // 8)
     budget = args.fill * args.world_size * capacity * args.microbatches
     sample = DISTRIBUTIONS[args.lengths](np.random.default_rng(args.seed), 4096, args.context)
     expected = budget / float(sample.mean())
@@ -311,7 +341,7 @@ def _plan(argv: list[str]) -> int:
     cost = CostModel.for_transformer(args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads)
     config = PlannerConfig(
         policy=args.policy, max_tokens_per_rank=capacity, num_microbatches=args.microbatches,
-        ranks_per_node=args.ranks_per_node,
+        ranks_per_node=args.ranks_per_node, pipeline_stages=args.pipeline_stages,
     )  # fmt: skip
     label = (
         f"lightning-hydra plan: planning {lengths.size:,} sequences ({int(lengths.sum()):,} tokens) on "
@@ -337,11 +367,83 @@ def _plan(argv: list[str]) -> int:
         "degrees": {str(k): v for k, v in plan.degree_histogram().items()},
         "digest": plan.digest(),
     }
+    if sized is not None:
+        summary["memory"] = {
+            "budget_bytes": sized.budget,
+            "state_bytes": sized.state,
+            "communicator_bytes": sized.communicators,
+            "margin_bytes": sized.margin,
+            "activation_bytes_per_token": sized.per_token["total"],
+            "capacity": sized.capacity,
+            "capacities": _capacity_table(args),
+        }
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     _print_plan(args, capacity, lengths, plan, loads, summary)
     return 0
+
+
+def _memory_shape(args: argparse.Namespace) -> Any:
+    from lightning_hydra.planner.memory import ModelMemoryShape
+
+    return ModelMemoryShape.for_decoder(
+        args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.ffn_size, args.vocab_size
+    )
+
+
+def _sized(args: argparse.Namespace, sharding: str, checkpointing: str) -> Any:
+    from lightning_hydra.planner.memory import memory_capacity, parse_bytes
+
+    return memory_capacity(
+        _memory_shape(args), budget=float(parse_bytes(args.memory)), sharding=sharding, precision=args.precision,
+        checkpointing=checkpointing, world_size=args.world_size, ranks_per_node=min(args.ranks_per_node,
+        args.world_size), num_microbatches=args.microbatches, optimizer=args.optimizer,
+        pipeline_stages=args.pipeline_stages,
+    )  # fmt: skip
+
+
+def _capacity_table(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """Capacity of every sharding x checkpointing mode at the given budget (tokens per rank; 0: does not fit)."""
+    from lightning_hydra.models.checkpointing import CHECKPOINTING_MODES
+    from lightning_hydra.strategy.sharding import SHARDING_MODES
+
+    return {
+        sharding: {mode: _sized(args, sharding, mode).capacity for mode in CHECKPOINTING_MODES}
+        for sharding in SHARDING_MODES
+    }
+
+
+def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The memory model's breakdown for ``--memory``; printed unless ``--json``; an error when nothing fits."""
+    try:
+        sized = _sized(args, args.sharding, args.checkpointing)
+    except ValueError as exc:
+        parser.error(f"--memory: {exc}")
+    shape = _memory_shape(args)
+    if not args.json:
+        from lightning_hydra.models.checkpointing import CHECKPOINTING_MODES
+
+        print(
+            f"memory per rank ({shape.num_params / 1e9:.2f}B parameters, {args.precision}, {args.optimizer}, "
+            f"sharding {args.sharding} over {args.world_size:,} ranks, {args.checkpointing} activation "
+            f"checkpointing, {args.pipeline_stages} pipeline stage{'s' * (args.pipeline_stages > 1)}; "
+            "lightning_hydra.planner.memory, an estimate not yet checked on a GPU):"
+        )
+        print("\n".join(f"  {line}" for line in sized.lines()))
+        print(f"capacity (tokens per rank) of every mode at {args.memory}:")
+        table = _capacity_table(args)
+        print(f"  {'sharding':<10}" + "".join(f"{'ckpt ' + mode:>18}" for mode in CHECKPOINTING_MODES))
+        for sharding, row in table.items():
+            print(f"  {sharding:<10}" + "".join(f"{row[mode]:>18,}" for mode in CHECKPOINTING_MODES))
+        print()
+    if sized.capacity < 16 and not args.capacity:
+        parser.error(
+            f"with {args.memory} per rank the model state leaves no room for activations under sharding "
+            f"{args.sharding} ({sized.capacity} tokens): shard it (--sharding zero3), checkpoint activations, "
+            "use more ranks or pipeline stages"
+        )
+    return sized
 
 
 def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any, loads: Any, summary: dict) -> None:
@@ -353,7 +455,12 @@ def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any
     print("settings (defaults unless marked; `lightning-hydra plan --help` describes each option):")
     print(f"  pool           {args.world_size:,} ranks{given('world_size')}, {args.ranks_per_node} per node"
           f"{given('ranks_per_node')}")  # fmt: skip
-    capacity_note = " (given)" if args.capacity else " (max(1024, context / 8))"
+    if args.capacity:
+        capacity_note = " (given)"
+    elif args.memory is not None:
+        capacity_note = f" (the memory model at {args.memory})"
+    else:
+        capacity_note = " (max(1024, context / 8))"
     print(f"  capacity       {capacity:,} tokens per rank per microbatch{capacity_note}")
     print(f"  batch          {args.lengths} lengths{given('lengths')} up to {args.context:,} tokens{given('context')}, "
           f"filling {args.fill:g} of the pool{given('fill')} over {args.microbatches} microbatches"
@@ -369,6 +476,8 @@ def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any
     elif args.policy == "mcore":
         micro = f"{made} ({asked} asked: mcore, like Megatron's scheduler, packs ranks to capacity and makes as many "
         micro += "microbatches as its packing needs)"
+    elif made < asked:
+        micro = f"{made} ({asked} asked: hydra kept a candidate with fewer, fuller microbatches, predicted faster)"
     else:
         micro = f"{made} ({asked} asked: what did not fit spilled into more)"
     degrees = ", ".join(f"d={d}: {n:,}" for d, n in plan.degree_histogram().items())

@@ -213,6 +213,26 @@ def test_plan_prints_its_settings_a_legend_and_progress(capsys):
     assert_readable(out + err)
 
 
+def test_plan_memory_sizes_the_capacity_from_the_memory_model(capsys):
+    base = ["plan", "--world-size", "64", "--context", "262144", "--memory", "80GB"]
+    assert main([*base, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["memory"]
+    table = summary["capacities"]
+    # Llama-3-8B with AdamW under bf16-mixed: a replica does not fit 80 GB; sharding and checkpointing each add room
+    assert table["none"] == {"none": 0, "selective": 0}
+    assert 16384 <= summary["capacity"] == table["zero3"]["selective"]
+    assert table["zero2"]["none"] < table["zero2"]["selective"] < table["zero3"]["selective"]
+    assert table["hsdp"]["selective"] < table["zero2"]["selective"]  # hsdp shards over one node of 8 only
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "8.03B parameters" in out and "capacity (tokens per rank) of every mode at 80GB" in out
+    assert f"{summary['capacity']:,} tokens per rank per microbatch (the memory model at 80GB)" in out
+    assert main([*base, "--sharding", "none"]) == 2
+    assert "leaves no room for activations under sharding none" in capsys.readouterr().err
+    assert main([*base, "--memory", "lots"]) == 2
+    assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
+
+
 def test_plan_help_shows_defaults(capsys):
     assert main(["plan", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

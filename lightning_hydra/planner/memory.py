@@ -24,15 +24,16 @@ Pure arithmetic over a model's shape, shared by :class:`~lightning_hydra.HydraSt
 4. **Activations**, per token (the capacity divides what is left by this). Per transformer block, with ``A`` the
    activation element size (2 for bf16 compute, 4 for float32), ``h`` the width, ``kv`` the key/value width, ``f``
    the MLP width and ``H`` the heads: the norms keep their float32 input and normalised output, the projections
-   their inputs, the CP attention q/k/v, its output and float32 log-sum-exp, the MLP four ``f``-wide tensors::
+   their inputs, the CP attention q/k/v, its output (also the output projection's input: one tensor) and float32
+   log-sum-exp, the MLP four ``f``-wide tensors::
 
-       none:       8 h + A (7 h + 2 kv + 4 f) + 4 H
-       selective:  A (4 h + 2 kv) + 4 H          (block input, q/k/v, attention output twice, LSE; see
+       none:       8 h + A (6 h + 2 kv + 4 f) + 4 H
+       selective:  A (3 h + 2 kv) + 4 H          (block input, q/k/v, attention output, LSE; see
                                                   lightning_hydra.models.decoder.Block)
 
-   plus, once: the final norm and the head's input (``4 h + 2 A h``), one block's full activations recomputed or
-   differentiated at a time, the Ulysses all-to-all's packed and gathered copies (``2 A (h + 2 kv)``) and the
-   ring's KV buffers (four in ``A``, two dK/dV in float32: ``8 A kv + 16 kv``).
+   plus, once: the final norm and the head's input (``4 h + 2 A h``), RoPE's cos and sin (``2 A h / H``), one
+   block's full activations recomputed or differentiated at a time, the Ulysses all-to-all's packed and gathered
+   copies (``2 A (h + 2 kv)``) and the ring's KV buffers (four in ``A``, two dK/dV in float32: ``8 A kv + 16 kv``).
 
 Everything here is an estimate: on a GPU the true peak also depends on the allocator and kernels' workspaces
 (the margin covers them); it has not been checked against a GPU's measured peak yet.
@@ -103,6 +104,27 @@ class ModelMemoryShape:
     vocab_size: int
     """Vocabulary (the embedding and head stay unsharded under zero3)."""
 
+    @classmethod
+    def for_decoder(
+        cls, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int,
+        vocab_size: int, *, tied_embeddings: bool = False,
+    ) -> ModelMemoryShape:  # fmt: skip
+        """A Llama-style decoder's shape with its parameter count (q/k/v/o projections, SwiGLU MLP, two RMSNorms per
+        block, a final norm, an embedding and, unless tied, a separate head): Llama-3-8B counts 8,030,261,248."""
+        kv = hidden_size // num_heads * num_kv_heads
+        block = 2 * hidden_size * hidden_size + 2 * hidden_size * kv + 3 * hidden_size * ffn_hidden_size
+        block += 2 * hidden_size
+        embeddings = (1 if tied_embeddings else 2) * vocab_size * hidden_size
+        return cls(
+            num_params=num_layers * block + embeddings + hidden_size,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            ffn_hidden_size=ffn_hidden_size,
+            vocab_size=vocab_size,
+        )
+
     @property
     def kv_size(self) -> int:
         """Key/value width ``kv``."""
@@ -115,15 +137,7 @@ class ModelMemoryShape:
         return max(rest, 0) / max(self.num_layers, 1)
 
 
-LLAMA3_8B = ModelMemoryShape(
-    num_params=8_030_261_248,
-    hidden_size=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    ffn_hidden_size=14336,
-    vocab_size=128256,
-)
+LLAMA3_8B = ModelMemoryShape.for_decoder(4096, 32, 32, 8, 14336, 128256)
 """Llama-3-8B (untied embeddings, vocabulary 128,256): the shape the README's sizing uses."""
 
 
@@ -189,16 +203,16 @@ def activation_bytes_per_token(shape: ModelMemoryShape, *, checkpointing: str, p
     precision = _precision(precision)
     a = 4.0 if precision == "32-true" else 2.0
     h, kv, f, heads = shape.hidden_size, shape.kv_size, shape.ffn_hidden_size, shape.num_heads
-    full = 8 * h + a * (7 * h + 2 * kv + 4 * f) + 4 * heads
+    full = 8 * h + a * (6 * h + 2 * kv + 4 * f) + 4 * heads
     if checkpointing == "selective":
-        block = a * (4 * h + 2 * kv) + 4 * heads
+        block = a * (3 * h + 2 * kv) + 4 * heads
     elif checkpointing == "none":
         block = full
     else:
         raise ValueError(f"unknown activation_checkpointing {checkpointing!r}")
     out = {
         "blocks": shape.num_layers * block,
-        "once": 4 * h + 2 * a * h,
+        "once": 4 * h + 2 * a * h + 2 * a * (h // heads),
         "transient": full,
         "cp_buffers": 2 * a * (h + 2 * kv) + 8 * a * kv + 16 * kv,
     }
