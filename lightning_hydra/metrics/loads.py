@@ -1,4 +1,5 @@
-"""The step metrics of DESIGN.md section 6, computed from a :class:`StepRecord` (pure numpy, same on every rank)."""
+"""The step metrics of docs/design.md section 10, computed from a :class:`StepRecord` (pure numpy, the same on every
+rank)."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def projected_pipeline_bubble(record: StepRecord) -> float:
 
 
 def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool = False) -> dict[str, float]:
-    """Every logged metric of one step (names as in DESIGN.md section 6).
+    """Every logged metric of one step (names as in docs/design.md section 10).
 
     Args:
         record: The gathered measurements.

@@ -31,7 +31,7 @@ _PROG_BAR = {"throughput/tokens_per_s": "tok/s", "bubble/dp": "dp_bubble"}
 
 
 class BubbleMonitor(Callback):
-    """Logs every metric of DESIGN.md section 6 each training step, through the trainer's loggers.
+    """Logs every metric of docs/design.md section 10 each training step, through the trainer's loggers.
 
     The measurements are gathered by the strategy (one collective per step, on every rank, through torchmetrics),
     so every rank computes and logs the same values; this callback runs no collective of its own. Global rank 0

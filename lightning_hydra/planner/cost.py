@@ -3,7 +3,7 @@
 One :class:`CostModel` object is shared by the scheduler, the metrics and the simulator. Its coefficients are plain
 fields so that calibration (a later refit from measured times) can hand new values to the planner as data.
 
-Per sequence of length ``L`` on a group of degree ``d = u * r`` (DESIGN.md section 3)::
+Per sequence of length ``L`` on a group of degree ``d = u * r`` (docs/design.md section 3)::
 
     compute(L, d) = (attn * L**2 + linear * L) / d_eff + seq_overhead + length_overhead * L
                     d_eff = min(d, max(1, L / min_chunk_tokens))
@@ -102,7 +102,7 @@ class CostModel:
         """Derive coefficients from a causal decoder's shape and an achieved FLOP rate.
 
         Training FLOPs per token are ``6 * params`` for the linear part; causal attention adds
-        ``6 * L * hidden * layers`` per token (DESIGN.md section 3), i.e. ``6 * hidden * layers`` per ``L**2``.
+        ``6 * L * hidden * layers`` per token (docs/design.md section 3), i.e. ``6 * hidden * layers`` per ``L**2``.
 
         Args:
             hidden_size: Model width (query heads times head dimension).
