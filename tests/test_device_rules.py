@@ -43,8 +43,19 @@ HOT_PATH_MODULES = [
     "lightning_hydra/cp/plan.py",
     "lightning_hydra/cp/ring.py",
     "lightning_hydra/cp/ulysses.py",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "lightning_hydra" / "strategy").glob("*.py")),
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "lightning_hydra" / "metrics").glob("*.py")),
+    "lightning_hydra/models/checkpointing.py",
+    "lightning_hydra/models/decoder.py",
+    "lightning_hydra/models/hf.py",
+    "lightning_hydra/models/losses.py",
+    "lightning_hydra/models/module.py",
+    "lightning_hydra/models/stages.py",
 ]
-"""Modules whose tensors must take their device from an input (paths relative to the repository root)."""
+"""Modules whose tensors must take their device from an input or the strategy's root device (paths relative to the
+repository root): the engine, the strategy and its runtime (collectives get tensors on the backend's device), the
+metrics' gathers, the models. The data modules build host tensors by contract (the loader packs on the CPU; the
+batch moves to the device in the strategy's transfer hook), so they are not listed."""
 
 FACTORIES = {
     "arange", "as_tensor", "empty", "empty_strided", "eye", "from_numpy", "full", "linspace", "logspace", "ones",
@@ -54,6 +65,8 @@ FACTORIES = {
 ``Tensor.new_*`` inherit their source's device and are fine; ``from_numpy`` is always CPU."""
 
 ALLOWED = {
+    ("lightning_hydra/models/decoder.py", "ones"): "RMSNorm's weight at construction: a parameter, moved with the "
+    "module by the strategy's model_to_device",
     ("lightning_hydra/cp/layout.py", "from_numpy"): "zigzag indices are host data by contract (the data module packs "
     "on the CPU); shard/unshard move them to the tensor's device",
     ("lightning_hydra/cp/blocks.py", "from_numpy"): "to_device: CPU branch returns host arrays as CPU tensors, "
