@@ -15,8 +15,7 @@ from lightning_hydra.planner.memory import (
     model_state_bytes,
     parse_bytes,
 )
-from lightning_hydra.strategy.runtime import memory_shape
-from lightning_hydra.strategy.strategy import configure_cuda_allocator
+from lightning_hydra.strategy.capacity import configure_cuda_allocator, memory_shape
 
 
 def _saved_bytes_per_token(model: DecoderLM, tokens: int) -> float:

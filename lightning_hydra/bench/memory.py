@@ -32,8 +32,7 @@ def _worker(rank: int, world: int, steps: int, tokens: int, hidden: int) -> dict
     from lightning_hydra import DecoderLM
     from lightning_hydra.cp import CPContext
     from lightning_hydra.strategy.gradients import GradientReducer
-    from lightning_hydra.strategy.sharding import build_mesh, shard_model, state_bytes
-    from lightning_hydra.strategy.strategy import sync_module_states
+    from lightning_hydra.strategy.sharding import build_mesh, shard_model, state_bytes, sync_module_states
 
     out: dict = {}
     for mode in MODES:

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save, _is_sharded_checkpoint
 from lightning.fabric.strategies.model_parallel import _load_checkpoint as _fabric_load_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["is_sharded_checkpoint", "load_sharded_checkpoint", "save_sharded_checkpoint"]
+__all__ = ["full_state_dict", "is_sharded_checkpoint", "load_sharded_checkpoint", "save_sharded_checkpoint"]
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -73,3 +74,28 @@ def load_sharded_checkpoint(
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, wanted[f"optimizer_{i}"])
     return torch.load(path / _METADATA_FILENAME, weights_only=False)
+
+
+def full_state_dict(model: nn.Module, *, sharded: bool, staged: bool, pool_first: bool) -> dict[str, Any]:
+    """The model's full (unsharded, CPU) state dict on every rank; collective when ``sharded`` or ``staged``.
+
+    Args:
+        model: This rank's model (its stage's layers, under a pipeline).
+        sharded: Whether the state is FSDP2-sharded over the pool (gathered to full tensors on the CPU).
+        staged: Whether the world holds pipeline stages: every stage's part is gathered from its pool position 0.
+        pool_first: Whether this rank is its stage's pool position 0.
+    """
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        mine = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if not staged:
+        return mine
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine if pool_first else {})
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged

@@ -152,7 +152,7 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
     Args:
         module: The stage's :class:`~lightning_hydra.HydraModule` (after ``pipeline_stage``).
         batch: The step's :class:`~lightning_hydra.data.packing.StepBatch` (this pool position's microbatches).
-        runtime: The :class:`~lightning_hydra.strategy.runtime.PoolRuntime` (layout, groups, gradient sync).
+        runtime: The :class:`~lightning_hydra.strategy.pool.PoolRuntime` (layout, groups, gradient sync).
         train: Run backwards (and the gradient sync).
         hidden_size: Width of the activations passed between stages.
     """

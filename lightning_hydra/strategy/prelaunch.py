@@ -16,11 +16,14 @@ The launchers below are Lightning's own, running :func:`preflight` first. Where 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -33,7 +36,7 @@ from lightning_hydra.strategy.runtime import model_heads
 if TYPE_CHECKING:
     from lightning_hydra.strategy.strategy import HydraStrategy
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "preflight"]
+__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "SpawnLauncher", "preflight"]
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +118,23 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         _run_preflight(self._strategy, trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class SpawnLauncher(CheckedMultiProcessingLauncher):
+    """Lightning's spawn launcher (with the pre-launch checks), returning the full (unsharded) weights of a sharded
+    model to the main process."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        strategy = self._strategy
+        if not getattr(strategy, "is_sharded", False):
+            return super()._collect_rank_zero_results(trainer, results)
+        state_dict = strategy.full_state_dict()  # collective: every rank takes part
+        if strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(None, weights_path, trainer.state, results, extra)

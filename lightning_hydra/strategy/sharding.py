@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -36,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from lightning_hydra.models.checkpointing import largest_module_list
 
 __all__ = [
+    "sync_module_states",
     "SHARDING_MODES",
     "ShardedGradientSync",
     "ShardingPlan",
@@ -201,3 +203,21 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         for state in optimizer.state.values():
             out["optimizer"] += sum(size(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return out
+
+
+def sync_module_states(module: nn.Module, device: torch.device) -> None:
+    """Broadcast every parameter and buffer from rank 0, so that all replicas start identical (what DDP's
+    constructor does; this strategy does not wrap the model in DDP)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel()]
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, _), group in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group]).to(dtype)
+        dist.broadcast(flat, src=0)
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n

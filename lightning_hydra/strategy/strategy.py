@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -25,7 +23,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -40,14 +37,21 @@ from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.models.checkpointing import check_checkpointing_mode
 from lightning_hydra.planner import POLICIES, CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
-from lightning_hydra.planner.memory import MemoryBreakdown, memory_capacity, parse_bytes
-from lightning_hydra.strategy.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from lightning_hydra.planner.memory import MemoryBreakdown, parse_bytes
+from lightning_hydra.strategy.capacity import configure_cuda_allocator, device_budget, pool_memory
+from lightning_hydra.strategy.checkpoint import (
+    full_state_dict,
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from lightning_hydra.strategy.checks import check_arguments, check_fits, check_heads, check_pool
 from lightning_hydra.strategy.guard import RunGuard
 from lightning_hydra.strategy.pipeline import PipelineLayout
-from lightning_hydra.strategy.prelaunch import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher
-from lightning_hydra.strategy.runtime import PoolRuntime, memory_shape, model_heads
-from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model
+from lightning_hydra.strategy.pool import PoolRuntime
+from lightning_hydra.strategy.prelaunch import CheckedSubprocessLauncher, SpawnLauncher
+from lightning_hydra.strategy.runtime import model_heads
+from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model, sync_module_states
 
 __all__ = ["HydraStrategy"]
 
@@ -58,24 +62,6 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-def sync_module_states(module: nn.Module, device: torch.device) -> None:
-    """Broadcast every parameter and buffer from rank 0, so that all replicas start identical (what DDP's
-    constructor does; this strategy does not wrap the model in DDP)."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel()]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for (dtype, _), group in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group]).to(dtype)
-        dist.broadcast(flat, src=0)
-        offset = 0
-        with torch.no_grad():
-            for t in group:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
 
 
 class HydraStrategy(ParallelStrategy):
@@ -272,7 +258,7 @@ class HydraStrategy(ParallelStrategy):
                 self, self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _SpawnLauncher(self, start_method=self._start_method)
+            self._launcher = SpawnLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         """Global rank and world size from the node rank, the local rank and the node's devices."""
@@ -331,27 +317,18 @@ class HydraStrategy(ParallelStrategy):
 
     def memory_breakdown(self, ulysses_blocks: int = 3) -> MemoryBreakdown:
         """The memory model of this strategy's pool, model, precision, sharding and checkpointing (pure)."""
-        module = self.lightning_module
-        shape = memory_shape(module)
-        if self.memory_budget is not None:
-            budget = float(self.memory_budget)
-        elif self.root_device.type == "cuda":
-            budget = float(torch.cuda.get_device_properties(self.root_device).total_memory)
-        else:
-            budget = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(self.num_processes, 1)
-        return memory_capacity(
-            shape,
-            budget=budget,
-            sharding=self.sharding,
+        return pool_memory(
+            self.lightning_module,
+            device=self.root_device,
+            budget=device_budget(self.root_device, memory_budget=self.memory_budget, local_ranks=self.num_processes),
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+            sharding=self.sharding,
             checkpointing=self.activation_checkpointing,
-            world_size=self.world_size // self.pipeline_stages,
-            ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size // self.pipeline_stages),
+            pool=self.world_size // self.pipeline_stages,
+            ranks_per_node=self.planner_config.ranks_per_node,
             num_microbatches=self.planner_config.num_microbatches,
-            optimizer=getattr(module, "optimizer_name", "adamw"),
-            ulysses_blocks=ulysses_blocks,
-            communicator_bytes=0.5e9 if self.root_device.type == "cuda" else 0.0,
             pipeline_stages=self.pipeline_stages,
+            ulysses_blocks=ulysses_blocks,
         )
 
     def _resolve_capacity(self, ulysses_blocks: int) -> None:
@@ -466,24 +443,9 @@ class HydraStrategy(ParallelStrategy):
     def full_state_dict(self) -> dict[str, Any]:
         """The model's full (unsharded, CPU) state dict on every rank (collective when sharded or staged)."""
         assert self.model is not None
-        if not self.is_sharded:
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if self.sharding != "none":
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            mine = get_model_state_dict(self.model, options=options)
-        else:
-            mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if self.pipeline_stages == 1:
-            return mine
-        assert self.layout is not None and self.runtime is not None
-        parts: list[Any] = [None] * self.world_size  # every stage's part, from its pool position 0
-        dist.all_gather_object(parts, mine if self.runtime.global_rank == 0 else {})
-        merged: dict[str, Any] = {}
-        for part in parts:
-            merged.update(part)
-        return merged
+        staged = self.runtime is not None and self.runtime.stages > 1
+        first = self.runtime is None or self.runtime.global_rank == 0
+        return full_state_dict(self.model, sharded=self.sharding != "none", staged=staged, pool_first=first)
 
     @override
     def model_to_device(self) -> None:
@@ -633,36 +595,6 @@ class HydraStrategy(ParallelStrategy):
             self.calibrator.load_state_dict(saved["calibrator"])
             rank_zero_info("HydraStrategy: restored the calibrated cost model from the checkpoint")
         return checkpoint
-
-
-class _SpawnLauncher(CheckedMultiProcessingLauncher):
-    """Lightning's spawn launcher (with the pre-launch checks), returning the full (unsharded) weights of a sharded
-    model to the main process."""
-
-    @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        strategy = self._strategy
-        if not getattr(strategy, "is_sharded", False):
-            return super()._collect_rank_zero_results(trainer, results)
-        state_dict = strategy.full_state_dict()  # collective: every rank takes part
-        if strategy.local_rank != 0:
-            return None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        extra = self.get_extra_results(trainer)
-        return _WorkerOutput(None, weights_path, trainer.state, results, extra)
-
-
-def configure_cuda_allocator(device: torch.device) -> bool:
-    """On CUDA, turn on ``expandable_segments`` (shapes change every step; the caching allocator fragments) unless
-    the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``). Returns whether it
-    did. Not yet run on a GPU."""
-    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
-        return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    return True
 
 
 HydraStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,226 @@
+"""The runtime of a :class:`~lightning_hydra.HydraStrategy`'s pool (see :mod:`lightning_hydra.strategy.runtime` for
+the interface and the order of calls every rank makes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hydra.cp import CPGroup, GroupCache
+from lightning_hydra.cp.groups import aligned_blocks
+from lightning_hydra.metrics.record import StepGather
+from lightning_hydra.planner import CostModel, Group, Plan
+from lightning_hydra.strategy.checks import check_digests, check_fits
+from lightning_hydra.strategy.gradients import GradientReducer
+from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.runtime import GradientSync, HydraRuntime
+from lightning_hydra.strategy.sharding import ShardedGradientSync, ShardingPlan
+
+__all__ = ["PoolRuntime"]
+
+log = logging.getLogger(__name__)
+
+
+class PoolRuntime(HydraRuntime):
+    """The dynamic-CP pool of a :class:`~lightning_hydra.HydraStrategy`: the whole world, or with pipeline stages
+    one stage's ranks (:class:`~lightning_hydra.strategy.pipeline.PipelineLayout`).
+
+    ``global_rank`` and ``world_size`` are this rank's pool position and the pool's size (what plans are made
+    for); ``world_rank`` is the rank in the default process group. Owns the communicators
+    (:class:`~lightning_hydra.cp.GroupCache`, created once at :meth:`setup` for every aligned Ulysses block of every
+    stage's pool, warmed up, destroyed by :meth:`close`), the gradient reducer (over the stage's pool), and the
+    per-step measurement gather (over the world).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str | None = None,
+        local_world_size: int = 1,
+        layout: PipelineLayout | None = None,
+        world_rank: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Args:
+        backend: Backend of the CP groups (default: the world's).
+        local_world_size: Ranks on this host (for :attr:`oversubscribed`).
+        layout: Pipeline stages x pool (default: one stage of ``world_size`` ranks).
+        world_rank: This rank in the default process group (default: ``global_rank``).
+        **kwargs: See :class:`HydraRuntime`.
+        """
+        super().__init__(**kwargs)
+        self.layout = layout if layout is not None else PipelineLayout(stages=1, pool=self.world_size)
+        if self.layout.pool != self.world_size:
+            raise ValueError(f"the pool has {self.world_size} ranks but the layout's stages have {self.layout.pool}")
+        self.world_rank = self.global_rank if world_rank is None else world_rank
+        self.stage = self.layout.stage(self.world_rank)
+        self.stages = self.layout.stages
+        self.offset = self.stage * self.layout.pool
+        """Global rank of this stage's pool position 0."""
+        self.stage_group: dist.ProcessGroup | None = None
+        """The stage's pool as a process group (``None``: the world, with one stage)."""
+        self.cache = GroupCache(backend=backend)
+        self.local_world_size = local_world_size
+        self._reducer: GradientReducer | None = None
+        self._reducer_params: list[int] = []
+        self._gather: StepGather | None = None
+        self.sharding: ShardingPlan | None = None
+        """The sharded model (``None``: replicas), set by the strategy at set-up."""
+        self._sharded_sync: ShardedGradientSync | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self) -> int:
+        """Create (collectively, in one global order) and warm up the communicators of every aligned Ulysses block
+        every stage's pool can use, and each stage's pool group; a second call creates none. Returns how many CP
+        communicators were created."""
+        local = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
+        offsets = [s * self.layout.pool for s in range(self.layout.stages)]
+        made = self.cache.create(tuple(o + r for r in block) for o in offsets for block in local)
+        if made:
+            self.cache.warm_up(self.world_rank, self.device)
+        if self.layout.stages > 1 and self.stage_group is None:
+            for s in range(self.layout.stages):  # every rank creates every stage's group, in order
+                pg = dist.new_group(list(self.layout.stage_ranks(s)))
+                if s == self.stage:
+                    self.stage_group = pg
+        return made
+
+    def to_global(self, record: Group) -> Group:
+        """A plan's group (pool positions) as global ranks of this stage."""
+        if not self.offset:
+            return record
+        return Group(tuple(self.offset + r for r in record.ranks), record.ulysses, record.ring, record.seq_ids)
+
+    def close(self) -> int:
+        """Destroy the communicators and hooks (collective on NCCL); returns how many groups were destroyed."""
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+        self.closed = True
+        return self.cache.destroy()
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More ranks on this host than CPU cores (CPU runs only): wall clocks then measure time slicing."""
+        if self.device.type == "cuda":
+            return False
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return self.local_world_size > cores
+
+    # ------------------------------------------------------------------ planning
+    def plan_batch(self, lengths: np.ndarray, *, seed: int, cost: CostModel | None = None) -> Plan:
+        """Plan one global batch onto the pool (pure and deterministic: every rank gets the same plan)."""
+        heads, kv_heads = self.heads
+        return self.planner_config.schedule(
+            lengths,
+            world_size=self.world_size,
+            cost=cost or self.cost_model,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            seed=seed,
+        )
+
+    def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:
+        """See :func:`lightning_hydra.strategy.checks.check_fits`."""
+        check_fits(
+            self.planner_config,
+            self.world_size,
+            self.heads[0],
+            longest=longest,
+            split=split,
+            global_batch_tokens=global_batch_tokens,
+        )
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, batch: Any) -> None:
+        """Check the plan digest on every rank, then make sure its groups' communicators exist (collectively; in
+        steady state none is created)."""
+        world = getattr(batch, "world_size", self.world_size)
+        if world != self.world_size:
+            raise RuntimeError(f"the batch was planned for {world} ranks, but the pool has {self.world_size}")
+        check_digests(batch.digest, self.layout.world_size, device=self.device)  # every stage: the same plan
+        offsets = [s * self.layout.pool for s in range(self.layout.stages)]
+        made = self.cache.prepare(
+            Group(tuple(o + r for r in g.ranks), g.ulysses, g.ring) for o in offsets for g in batch.groups
+        )
+        if made:
+            log.warning("HydraStrategy created %d communicators inside a step (a plan used an unaligned block)", made)
+            self.cache.warm_up(self.world_rank, self.device)
+
+    def group(self, record: Group) -> CPGroup:
+        """The communicator handle of a group of the current plan (pool positions of this stage)."""
+        return self.cache.get(self.to_global(record))
+
+    def gradient_sync(self, module: nn.Module) -> GradientSync:
+        """FSDP's reduce-scatter for a sharded model; otherwise the bucketed gradient sum of ``module``'s parameters
+        (built once; rebuilt if the parameters change)."""
+        if self.sharding is not None:
+            if self._sharded_sync is None or self._sharded_sync.plan is not self.sharding:
+                self._sharded_sync = ShardedGradientSync(self.sharding)
+            return self._sharded_sync
+        params = [p for p in module.parameters() if p.requires_grad]
+        ids = [id(p) for p in params]
+        if self._reducer is None or ids != self._reducer_params:
+            if self._reducer is not None:
+                self._reducer.remove()
+            self._reducer = GradientReducer(params, group=self.stage_group)
+            self._reducer_params = ids
+        return self._reducer
+
+    def must_run(self, index: int, last: int, *, train: bool) -> bool:
+        """Sharded state: training follows the mode (the last microbatch, or every one under zero3); a forward-only
+        step runs every microbatch (every forward may gather parameters)."""
+        if self.sharding is None:
+            return False
+        if not train:
+            return True
+        return self.gradient_sync(self.module).must_run(index, last)  # type: ignore[arg-type]
+
+    def end_forward_only(self) -> None:
+        """Reshard a sharded model after validation (zero2 keeps parameters gathered after a forward)."""
+        if self.sharding is not None:
+            ShardedGradientSync(self.sharding).reshard()
+
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum of a tensor over the pool."""
+        out = value.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def stage_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the stages of a scalar each stage's ranks hold alike: the world gathers one value per rank and
+        adds pool position 0 of every stage, in stage order (the same sum on every rank)."""
+        if self.stages == 1:
+            return value
+        out = torch.empty(self.layout.world_size, dtype=value.dtype, device=value.device)
+        dist.all_gather_into_tensor(out, value.reshape(1))
+        return out[:: self.layout.pool].sum()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (the whole world, every stage), in rank order."""
+        out: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _gather_rows(self, row: np.ndarray) -> np.ndarray:
+        if self._gather is None or self._gather.row_size != row.size:
+            self._gather = StepGather(self.layout.world_size, row.size).to(self.device)
+        self._gather.reset()
+        self._gather.update(row)
+        return self._gather.compute().cpu().numpy()
+
+    def _share_cost(self, cost: CostModel) -> CostModel:
+        """Rank 0's refit, broadcast: identical on every rank by construction (BLAS may round differently on
+        different hosts)."""
+        names = [f.name for f in dataclasses.fields(cost)]
+        values = torch.tensor([float(getattr(cost, n)) for n in names], dtype=torch.float64, device=self.device)
+        dist.broadcast(values, src=0)
+        return CostModel.from_dict(dict(zip(names, values.tolist(), strict=True)))
