@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
+import torch
 
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.planner import CostModel, schedule
@@ -116,6 +119,12 @@ def test_communication_is_calibrated_from_its_own_measurement():
     assert fitted.intra_node_bandwidth == pytest.approx(0.25e9, rel=0.02)
     assert fitted.ring_share == pytest.approx(0.3, abs=0.02)
     assert fitted.seq_overhead == pytest.approx(1e-4, rel=0.05)
+    # the calibrator's state (in every checkpoint) holds plain Python values: torch.load(weights_only=True) reads it
+    saved = io.BytesIO()
+    torch.save({"calibrator": calibrator.state_dict(), "cost_model": fitted.to_dict()}, saved)
+    saved.seek(0)
+    restored = torch.load(saved, weights_only=True)
+    assert restored["calibrator"]["bandwidths"] == calibrator.state_dict()["bandwidths"]
     # without comm= a thread timer cannot see communication: its coefficients stay
     calibrator = CostCalibrator()
     calibrator.add(np.array(feats), np.array(busy), includes_comm=False)

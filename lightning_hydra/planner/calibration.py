@@ -273,7 +273,7 @@ class CostCalibrator:
             return cost
         self.refits += 1
         values = {name: float(v) for name, v in zip(FITTED, theta, strict=True)}
-        values["intra_node_bandwidth"] = cost.intra_node_bandwidth if theta[7] == theta0[7] else 1.0 / theta[7]
+        values["intra_node_bandwidth"] = cost.intra_node_bandwidth if theta[7] == theta0[7] else float(1.0 / theta[7])
         self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
         self._bandwidth = values["intra_node_bandwidth"]
         return cost.replace(**values)
@@ -293,7 +293,7 @@ class CostCalibrator:
             ],
             "refits": self.refits,
             "skipped": self.skipped,
-            "bandwidths": [self._first_bandwidth, self._bandwidth],
+            "bandwidths": [float(self._first_bandwidth), float(self._bandwidth)],  # plain floats: weights_only loads
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
