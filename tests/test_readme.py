@@ -127,10 +127,14 @@ def test_the_shell_commands_run_or_parse(capsys, monkeypatch):
     assert checked == 5
 
 
-def test_the_plan_command_of_the_cli_table_runs(capsys):
-    (command,) = re.findall(r"`lightning-hydra (plan [^`]*)`", README)
-    assert main([*command.split(), "--json"]) == 0
-    assert '"policy": "hydra"' in capsys.readouterr().out
+def test_the_plan_commands_of_the_readme_run(capsys):
+    commands = re.findall(r"`lightning-hydra (plan [^`.]*)`", README) + re.findall(
+        r"\$ lightning-hydra (plan .*)", README
+    )
+    assert len(commands) >= 2, commands  # the CLI table's and the memory section's
+    for command in commands:
+        assert main([*command.split(), "--json"]) == 0, command
+        assert '"policy": "hydra"' in capsys.readouterr().out
 
 
 def test_the_sample_output_matches_the_code():
