@@ -201,7 +201,8 @@ class PoolRuntime(HydraRuntime):
         if self.stages == 1:
             return value
         out = torch.empty(self.layout.world_size, dtype=value.dtype, device=value.device)
-        dist.all_gather_into_tensor(out, value.reshape(1))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before 2.12
+        gather(out, value.reshape(1))
         return out[:: self.layout.pool].sum()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
