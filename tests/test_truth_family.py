@@ -168,3 +168,35 @@ def test_pipeline_plans_are_scored_by_their_1f1b_step_time():
         assert baselines and chosen <= min(baselines) * (1 + 1e-12)  # never predicted worse, pipeline included
     with pytest.raises(ValueError, match="pipeline_stages must be at least 1"):
         schedule(batch, world_size=16, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, pipeline_stages=0)
+
+
+def test_pipelines_get_candidates_whose_microbatches_aim_at_one_maximum():
+    from lightning_hydra.planner.degrees import DegreeRules
+    from lightning_hydra.planner.hydra import candidates
+    from lightning_hydra.planner.request import PlanRequest
+
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
+    batch = make_batch(
+        "lognormal", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=3
+    )
+    rules = DegreeRules(world_size=64, ranks_per_node=8, num_heads=32)
+
+    def formed(stages: int) -> dict:
+        req = PlanRequest(
+            lengths=batch, num_microbatches=8, capacity=16384, cost=cost, rules=rules, pipeline_stages=stages
+        )
+        return {f.name: f for f in candidates(req)}
+
+    assert not any(name.endswith("/even") for name in formed(1))
+    shaped = formed(4)
+    for name in ("pow2/load", "fine/load"):
+        dense, even = shaped[name], shaped[f"{name}/even"]
+        maxima = []
+        for f in (dense, even):
+            per_mb = np.zeros(f.num_microbatches)
+            np.maximum.at(per_mb, f.group_mb, f.loads(cost, batch))
+            maxima.append(per_mb)
+        assert even.num_microbatches >= 8  # never fewer microbatches than asked
+        assert maxima[1].max() / maxima[1].mean() < maxima[0].max() / maxima[0].mean()  # flatter microbatches
+        # and a shorter 1F1B step: sum of maxima plus (P - 1) times the largest
+        assert maxima[1].sum() + 3 * maxima[1].max() < maxima[0].sum() + 3 * maxima[0].max()

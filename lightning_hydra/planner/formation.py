@@ -415,14 +415,16 @@ class _Formed:
 
 
 def _microbatch(
-    tab: _Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool
-) -> tuple[_Formed, np.ndarray]:
+    tab: _Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool,
+    even: bool = False,
+) -> tuple[_Formed, np.ndarray]:  # fmt: skip
     """Form one microbatch from ``remaining`` (heaviest first) with ``left`` microbatches still to come (this one
-    included); return it and the sequences that wait."""
+    included); return it and the sequences that wait. ``even``: the level is the remaining work spread evenly
+    (no dense term), so that every microbatch aims at the same maximum."""
     cost, n_ranks, cap = req.cost, req.world_size, req.capacity
     work = tab.work_min[remaining]
     level = float(work.sum()) / n_ranks / max(left, 1)
-    if not last:
+    if not last and not even:
         fill = int(np.searchsorted(np.cumsum(tab.tokens_min[remaining]), DENSE_FILL * n_ranks * cap, "right"))
         level = max(level, float(work[:fill].sum()) / n_ranks)
     kdeg = tab.classes_at(level, raise_degrees)
@@ -453,7 +455,9 @@ def _microbatch(
     ]
 
 
-def form(req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Tables | None = None) -> Formation:
+def form(
+    req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Tables | None = None, even: bool = False
+) -> Formation:
     """Form the microbatches of one candidate (see the module docstring).
 
     After the last microbatch, the last two are formed again as one (everything must go in) when that lowers
@@ -464,6 +468,9 @@ def form(req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Table
         ds: The degree set of the groups.
         raise_degrees: Let long sequences take more ranks than memory needs.
         tables: Costs already computed for this degree set (shared between candidates).
+        even: Shape the microbatches for a pipeline: every microbatch aims at the remaining work spread evenly
+            over the remaining microbatches (no dense level), and the last two are never merged (fewer
+            microbatches raise a pipeline's warm-up and cool-down share).
 
     Returns:
         The candidate as flat arrays.
@@ -474,12 +481,12 @@ def form(req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Table
     formed: list[_Formed] = []
     while remaining.size:
         m = len(formed)
-        mb, waiting = _microbatch(tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees)
+        mb, waiting = _microbatch(tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees, even)
         if m >= asked - 1 and waiting.size == remaining.size:
             raise RuntimeError("formation made no progress")  # pragma: no cover - capacity was checked upstream
         formed.append(mb)
         remaining = waiting
-    if len(formed) >= 2:
+    if len(formed) >= 2 and not even:
         both = np.concatenate([formed[-2].seq, formed[-1].seq])
         both = both[np.argsort(-tab.cost_min[both], kind="stable")]
         mb, waiting = _microbatch(tab, ds, req, both, 1, True, raise_degrees)
@@ -493,5 +500,5 @@ def form(req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Table
         seq=np.concatenate([f.seq for f in formed]).astype(np.int64),
         gid=np.concatenate([f.gid + o for f, o in zip(formed, offsets, strict=False)]).astype(np.int64),
         num_microbatches=max(len(formed), asked),
-        name=f"{ds.name}/{'load' if raise_degrees else 'memory'}",
+        name=f"{ds.name}/{'load' if raise_degrees else 'memory'}" + ("/even" if even else ""),
     )

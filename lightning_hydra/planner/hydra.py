@@ -39,7 +39,8 @@ than the rest of planning (12 s for 8,500 sequences on 512 ranks)."""
 
 
 def candidates(req: PlanRequest) -> list[Formation]:
-    """The formations of :data:`CANDIDATES` (cost tables shared per degree set)."""
+    """The formations of :data:`CANDIDATES` (cost tables shared per degree set); with pipeline stages also the
+    load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum, none merged)."""
     tables: dict[str, _Tables] = {}
     out = []
     for name, load_driven in CANDIDATES:
@@ -47,6 +48,8 @@ def candidates(req: PlanRequest) -> list[Formation]:
         if name not in tables:
             tables[name] = _Tables(req, ds)
         out.append(form(req, ds, raise_degrees=load_driven, tables=tables[name]))
+        if req.pipeline_stages > 1 and load_driven:
+            out.append(form(req, ds, raise_degrees=True, tables=tables[name], even=True))
     return out
 
 
@@ -67,7 +70,7 @@ def schedule_hydra(req: PlanRequest) -> Plan:
             Scored(
                 f.name,
                 np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models]),
-                not f.name.endswith("/load"),
+                f.name.endswith("/memory"),  # the Megatron-shaped formation bounds hydra's own prediction
             )
         )
     plans = {"static": static}
