@@ -88,6 +88,7 @@ def simulate_policy(
         num_microbatches=job.num_microbatches,
         ranks_per_node=min(scenario.node_size(), job.pool),
         max_ulysses=1 if scenario.engine == "te-p2p" else None,
+        pipeline_stages=job.pp,  # as HydraStrategy(pipeline_stages=...) plans: candidates scored by 1F1B step time
     )
     cost = cost or scenario.starting_cost()
     calibrator = CostCalibrator()
