@@ -23,6 +23,7 @@ def clip_grad_norm(
     parameters: Iterable[nn.Parameter],
     max_norm: float,
     *,
+    device: torch.device | None = None,
     stage_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Scale every gradient by ``min(1, max_norm / norm)`` where ``norm`` is the global gradient's 2-norm.
@@ -30,6 +31,8 @@ def clip_grad_norm(
     Args:
         parameters: This rank's parameters (a stage's, under a pipeline); those without a gradient are skipped.
         max_norm: The largest norm kept.
+        device: Device of the norm (the strategy's root device, so that a rank without gradients still hands
+            ``stage_sum`` a tensor its backend takes); default: the first parameter's.
         stage_sum: Sum over the pipeline's stages of a float32 scalar every rank of a stage holds alike (``None``:
             one stage). Called on every rank, also one whose parameters have no gradient.
 
@@ -38,8 +41,10 @@ def clip_grad_norm(
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if device is None:
+        device = params[0].device if params else torch.device("cpu")
     with torch.no_grad():
         squared = torch.zeros((), dtype=torch.float32, device=device)
         sharded: dict[tuple, list[torch.Tensor]] = {}  # squared local sums, by the mesh dims that shard them

@@ -212,7 +212,7 @@ class HydraRuntime(ABC):
 
     def clip_grad_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip this rank's gradients by the global gradient's norm (every shard, every stage); returns the norm."""
-        return clip_grad_norm(parameters, max_norm, stage_sum=self.stage_sum)
+        return clip_grad_norm(parameters, max_norm, device=self.device, stage_sum=self.stage_sum)
 
     @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
