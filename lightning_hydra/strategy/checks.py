@@ -13,7 +13,7 @@ from lightning_hydra.errors import ConfigError, check_bool
 from lightning_hydra.planner import CostModel, DegreeRules, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
 
-__all__ = ["check_arguments", "check_digests", "check_fits", "check_heads", "check_pool"]
+__all__ = ["all_gather_single", "check_arguments", "check_digests", "check_fits", "check_heads", "check_pool"]
 
 
 def check_arguments(*, cost: Any, calibrate: Any, calibration: Any, monitor: Any, timeout: Any) -> None:
@@ -70,8 +70,7 @@ def check_digests(
     """
     mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
     gathered = torch.zeros(world_size, dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.12
-    gather(gathered, mine, group=group)
+    all_gather_single(gathered, mine, group=group)
     values = gathered.tolist()
     odd = [r for r, v in enumerate(values) if v != values[0]]
     if odd:
@@ -79,6 +78,13 @@ def check_digests(
             f"plan digests differ across ranks: ranks {odd} disagree with rank 0. Every rank must see the same "
             "dataset, seed, planner settings and cost model"
         )
+
+
+def all_gather_single(out: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Gather every rank's ``value`` into ``out`` (rank order along dim 0): ``torch.distributed.all_gather_single``,
+    or its name before torch 2.12 (``all_gather_into_tensor``, deprecated since)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, value, group=group)
 
 
 def check_fits(

@@ -17,7 +17,7 @@ from lightning_hydra.cp import CPGroup, GroupCache
 from lightning_hydra.cp.groups import aligned_blocks
 from lightning_hydra.metrics.record import StepGather
 from lightning_hydra.planner import CostModel, Group, Plan
-from lightning_hydra.strategy.checks import check_digests, check_fits
+from lightning_hydra.strategy.checks import all_gather_single, check_digests, check_fits
 from lightning_hydra.strategy.gradients import GradientReducer
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import GradientSync, HydraRuntime
@@ -201,8 +201,7 @@ class PoolRuntime(HydraRuntime):
         if self.stages == 1:
             return value
         out = torch.empty(self.layout.world_size, dtype=value.dtype, device=value.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before 2.12
-        gather(out, value.reshape(1))
+        all_gather_single(out, value.reshape(1))
         return out[:: self.layout.pool].sum()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
