@@ -237,8 +237,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     from lightning_hydra.bench.batches import DISTRIBUTIONS
     from lightning_hydra.models.checkpointing import CHECKPOINTING_MODES
     from lightning_hydra.planner import POLICIES
-    from lightning_hydra.planner.memory import MEMORY_PRECISIONS
-    from lightning_hydra.strategy.sharding import SHARDING_MODES
+    from lightning_hydra.planner.memory import MEMORY_PRECISIONS, SHARDING_MODES
 
     parser = _parser(
         "plan",
@@ -311,7 +310,7 @@ def _plan(argv: list[str]) -> int:
     if args.hidden_size % args.num_heads:
         parser.error(f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}")
     check_pool(args.world_size, args.ranks_per_node)
-    sized = _memory(parser, args) if args.memory is not None else None
+    sized, table = _memory(parser, args) if args.memory is not None else (None, None)
     if args.capacity:
         capacity = args.capacity
     elif sized is not None:
@@ -375,7 +374,7 @@ def _plan(argv: list[str]) -> int:
             "margin_bytes": sized.margin,
             "activation_bytes_per_token": sized.per_token["total"],
             "capacity": sized.capacity,
-            "capacities": _capacity_table(args),
+            "capacities": table,
         }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -406,7 +405,7 @@ def _sized(args: argparse.Namespace, sharding: str, checkpointing: str) -> Any:
 def _capacity_table(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """Capacity of every sharding x checkpointing mode at the given budget (tokens per rank; 0: does not fit)."""
     from lightning_hydra.models.checkpointing import CHECKPOINTING_MODES
-    from lightning_hydra.strategy.sharding import SHARDING_MODES
+    from lightning_hydra.planner.memory import SHARDING_MODES
 
     return {
         sharding: {mode: _sized(args, sharding, mode).capacity for mode in CHECKPOINTING_MODES}
@@ -414,12 +413,14 @@ def _capacity_table(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     }
 
 
-def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
-    """The memory model's breakdown for ``--memory``; printed unless ``--json``; an error when nothing fits."""
+def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Any, dict[str, dict[str, int]]]:
+    """The memory model's breakdown for ``--memory`` and the capacity table of every mode; printed unless
+    ``--json``; an error when nothing fits."""
     try:
         sized = _sized(args, args.sharding, args.checkpointing)
     except ValueError as exc:
         parser.error(f"--memory: {exc}")
+    table = _capacity_table(args)
     shape = _memory_shape(args)
     if not args.json:
         from lightning_hydra.models.checkpointing import CHECKPOINTING_MODES
@@ -432,7 +433,6 @@ def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
         )
         print("\n".join(f"  {line}" for line in sized.lines()))
         print(f"capacity (tokens per rank) of every mode at {args.memory}:")
-        table = _capacity_table(args)
         print(f"  {'sharding':<10}" + "".join(f"{'ckpt ' + mode:>18}" for mode in CHECKPOINTING_MODES))
         for sharding, row in table.items():
             print(f"  {sharding:<10}" + "".join(f"{row[mode]:>18,}" for mode in CHECKPOINTING_MODES))
@@ -443,7 +443,7 @@ def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
             f"{args.sharding} ({sized.capacity} tokens): shard it (--sharding zero3), checkpoint activations, "
             "use more ranks or pipeline stages"
         )
-    return sized
+    return sized, table
 
 
 def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any, loads: Any, summary: dict) -> None:

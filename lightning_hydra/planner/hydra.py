@@ -62,24 +62,22 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     formed = candidates(req)
     static = schedule_static(req)
     models = ensemble(req.cost)
+
+    def spans(*flat: np.ndarray | int) -> np.ndarray:
+        return np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models])
+
     scored = []
     for f in formed:
         k = f.group_class
         flat = (f.group_mb, f.degrees.ulysses[k], f.degrees.ring[k], f.seq, f.gid, f.num_microbatches)
-        scored.append(
-            Scored(
-                f.name,
-                np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models]),
-                f.name.endswith("/memory"),  # the Megatron-shaped formation bounds hydra's own prediction
-            )
-        )
+        # the Megatron-shaped formation bounds hydra's own prediction
+        scored.append(Scored(f.name, spans(*flat), f.name.endswith("/memory")))
     plans = {"static": static}
     if lengths.size * math.sqrt(req.world_size) <= MCORE_BUDGET:
         plans["mcore"] = schedule_mcore(req)
     for name, plan in plans.items():
         mb, _, u, r, seq, gid = plan.flat()
-        flat = (mb, u, r, seq, gid, plan.num_microbatches)
-        scored.append(Scored(name, np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models]), True))
+        scored.append(Scored(name, spans(mb, u, r, seq, gid, plan.num_microbatches), True))
     pick, regret = choose(scored)
     stats: dict[str, float | str] = {"candidate": scored[pick].name}
     for s in scored:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 __all__ = [
     "LLAMA3_8B",
     "MEMORY_PRECISIONS",
+    "SHARDING_MODES",
     "MemoryBreakdown",
     "ModelMemoryShape",
     "activation_bytes_per_token",
@@ -55,6 +56,9 @@ __all__ = [
     "model_state_bytes",
     "parse_bytes",
 ]
+
+SHARDING_MODES = ("none", "zero2", "zero3", "hsdp")
+"""Values of ``HydraStrategy(sharding=...)``: what the memory model charges for each (the strategy re-exports it)."""
 
 MEMORY_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 """Trainer precisions the memory model knows (``16-mixed`` is treated as ``bf16-mixed``)."""
@@ -168,7 +172,7 @@ def model_state_bytes(
         ``{"params", "grads", "optimizer", "unsharded"}``.
     """
     precision = _precision(precision)
-    if sharding not in ("none", "zero2", "zero3", "hsdp"):
+    if sharding not in SHARDING_MODES:
         raise ValueError(f"unknown sharding {sharding!r}")
     if pipeline_stages < 1:
         raise ValueError(f"pipeline_stages must be positive, got {pipeline_stages}")

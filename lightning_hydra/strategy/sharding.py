@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_hydra.models.checkpointing import largest_module_list
+from lightning_hydra.planner.memory import SHARDING_MODES
 
 __all__ = [
     "sync_module_states",
@@ -48,9 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-SHARDING_MODES = ("none", "zero2", "zero3", "hsdp")
-"""Values of ``HydraStrategy(sharding=...)``."""
 
 ShardingMode = Literal["none", "zero2", "zero3", "hsdp"]
 
