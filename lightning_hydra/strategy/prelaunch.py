@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
@@ -112,12 +113,22 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``), running :func:`preflight` first."""
+    """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``), running :func:`preflight` first
+    and destroying the process groups when a worker's function returns (a worker that exits with Gloo's groups
+    alive can abort in the interpreter's finalisation: ``terminate called without an active exception``)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         _run_preflight(self._strategy, trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        finally:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 class SpawnLauncher(CheckedMultiProcessingLauncher):
