@@ -97,3 +97,22 @@ def test_splitting_below_a_kernel_tile_buys_no_speed(cost: CostModel) -> None:
     assert float(cost.compute(1024, 16)) == pytest.approx(float(cost.compute(1024, 8)))
     assert float(cost.effective_degree(100, 32)) == 1.0
     assert float(cost.effective_degree(64 * tile, 8)) == 8.0
+
+
+@pytest.mark.parametrize(("ulysses", "ring"), [(1, 1), (4, 1), (2, 4)])
+def test_longest_within_is_the_boundary_of_the_budget(cost: CostModel, ulysses: int, ring: int) -> None:
+    model = cost.replace(length_overhead=1e-10, ring_share=0.2)
+    budget = np.array([0.03, 0.3, 2.0])
+    longest = model.longest_within(budget, ulysses, ring)
+    d = ulysses * ring
+
+    def alone(length: np.ndarray) -> np.ndarray:  # what the bound counts: compute, all-to-all, the exposed share
+        traffic, _ = model.ring_steps(length, ulysses, ring)
+        return model.compute(length, d) + model.a2a(length, ulysses, ring) + model.ring_share * traffic
+
+    below, above = np.floor(longest), np.floor(longest) + 1
+    assert np.all(below * 1.0 >= d * model.min_chunk_tokens)  # every case above the tile floor
+    assert np.all(alone(below) <= budget) and np.all(alone(above) > budget)
+    # nothing fits a budget below the per-sequence overhead; an unbounded budget fits anything
+    assert float(model.longest_within(model.seq_overhead / 2, ulysses, ring)) == 0.0
+    assert float(model.longest_within(np.inf, ulysses, ring)) == np.inf

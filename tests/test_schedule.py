@@ -232,3 +232,23 @@ def test_bad_input_gets_a_clear_error(kwargs: dict, error: type, match: str, pol
     lengths = args.pop("lengths")
     with pytest.raises(error, match=match):
         schedule(lengths, cost=cost, **args)
+
+
+@pytest.mark.parametrize(("world", "context", "capacity"), [(256, 262144, 16384), (256, 32768, 4096)])
+def test_bulk_openings_make_the_one_by_one_placement(
+    world: int, context: int, capacity: int, cost: CostModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of multi-rank sequences opened in bulk give exactly the plan of placing them one by one (at 32K a run
+    that opened every sequence the free ranks hold would change both batches' plans)."""
+    from lightning_hydra.planner import placement
+
+    for distribution in ("lognormal", "pareto"):
+        lengths = make_batch(
+            distribution, world_size=world, capacity=capacity, num_microbatches=8, fill=0.75, context=context, seed=5
+        )
+        kw = {"world": world, "capacity": capacity, "microbatches": 8, "max_seq_len": context}
+        bulk = _run(lengths, "hydra", cost, **kw)
+        with monkeypatch.context() as patch:
+            patch.setattr(placement, "_RUN", 0)  # no run is ever found: every sequence goes the one-by-one way
+            single = _run(lengths, "hydra", cost, **kw)
+        assert bulk.stats == single.stats and bulk.digest() == single.digest(), distribution

@@ -206,6 +206,36 @@ class CostModel:
         attn = steps * self.attn * length * length / (u * r * r)
         return comm, attn
 
+    def longest_within(self, budget: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Longest sequence whose per-rank time on a group of ``ulysses * ring`` ranks stays within ``budget``:
+        compute at the full degree (the tile floor not reached), all-to-all, and the always-exposed ring share, but
+        neither the bin's fixed costs nor the traffic the bin's attention may hide. The root of a quadratic in the
+        length; ``0`` where even a token does not fit.
+
+        Args:
+            budget: Seconds the sequence may add to a rank.
+            ulysses: Ulysses degree of the group.
+            ring: Ring degree of the group.
+        """
+        u = np.asarray(ulysses, dtype=np.float64)
+        r = np.asarray(ring, dtype=np.float64)
+        d = u * r
+        quad = self.attn / d
+        per_token = (
+            self.linear / d
+            + self.length_overhead
+            + np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / d / self.intra_node_bandwidth, 0.0)
+            + self.ring_share * np.maximum(r - 1, 0.0) * self.ring_bytes_per_token / d / self.inter_node_bandwidth
+        )
+        spare = np.asarray(budget, dtype=np.float64) - self.seq_overhead
+        with np.errstate(divide="ignore", invalid="ignore"):
+            root = np.where(
+                quad > 0,
+                2 * spare / (per_token + np.sqrt(per_token * per_token + 4 * quad * np.maximum(spare, 0.0))),
+                spare / per_token,
+            )
+        return np.where(np.isposinf(spare), np.inf, np.where(spare > 0, root, 0.0))
+
     def fixed(self, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
         """Fixed per-bin time of a busy rank: ``bin_overhead``, the all-to-all latency and one P2P latency per
         ring step."""

@@ -15,13 +15,14 @@ Dynamic-CP forms them, but with a closed-form load level, load-driven degrees an
 3. **Placement of multi-rank sequences**, heaviest first: the most loaded group with token room of the sequence's
    own class, or of a slightly larger class (at most :data:`REACH` classes up), that stays within the level (best
    fit: groups fill up one after the other, whole groups stay free for heavier sequences); else a new group of its
-   own class on free ranks. Groups sit in one
-   lazy min-heap per class (stale entries dropped when they surface), so a placement costs ``O(log N)``; what does
-   not fit waits for the next microbatch.
-4. **Placement of single-rank sequences**, vectorised: every free rank becomes a group, then rounds of
-   longest-processing-time-first deal the sequences, heaviest first, to the least loaded groups that stay within
-   the level, have token room and split the sequence no finer than a kernel tile per rank; what does not fit
-   waits for the next microbatch.
+   own class on free ranks. Groups sit in a list per class ordered by load, so a placement costs ``O(log N)``; runs
+   of sequences that can only open groups of their own are opened in bulk; what does not fit waits for the next
+   microbatch.
+4. **Placement of single-rank sequences**, vectorised: every free rank becomes a group, then in rounds every group
+   with room takes the longest remaining sequence that fits its slack under the level (a closed-form bound,
+   :meth:`CostModel.longest_within`, checked exactly), its token room and, on a multi-rank group, a kernel tile per
+   rank; while everything fits a round is a round of longest-processing-time-first. What does not fit waits for
+   the next microbatch.
 
 The last asked microbatch takes everything left (above the level if it must); only sequences no group can hold
 (tokens) open further microbatches.
@@ -29,14 +30,13 @@ The last asked microbatch takes everything left (above the level if it must); on
 
 from __future__ import annotations
 
-import bisect
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
+from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi, _place_single
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
 
@@ -47,14 +47,6 @@ DEGREE_SETS = ("pow2", "fine", "node")
 ``node`` (1, 2, 4, then multiples of the largest Ulysses degree: full Ulysses inside a node, rings across)."""
 DENSE_FILL = 0.88
 """Share of the pool's tokens the dense level assumes a microbatch can hold."""
-REACH = 2
-"""Classes above its own a multi-rank sequence may join (a larger group with room within the level)."""
-_FIT_SCAN = 16
-"""Groups looked at below the best fit for one with token room."""
-_ROUNDS = 64
-"""Most rounds of one pass of the single-rank dealing (a round gives one sequence to each open group)."""
-_GIVE_UP = 64
-"""Consecutive multi-rank sequences that find no place before the rest waits for the next microbatch."""
 
 
 @dataclass(frozen=True)
@@ -194,214 +186,6 @@ class _Tables:
             return self.min_class[self.multi]
         count = (self.runmin > target).sum(axis=0)
         return np.where(count < self.runmin.shape[0], count, self.cheapest)
-
-
-class _Microbatch:
-    """Groups of the microbatch being formed: Python lists (fast scalar updates) and one lazy heap per class."""
-
-    def __init__(self, tab: _Tables, ds: DegreeSet, cost: CostModel, world_size: int, capacity: int) -> None:
-        self.tab, self.ds, self.cap = tab, ds, capacity
-        self.exposure = cost.ring_exposure
-        self.sizes = ds.sizes.tolist()
-        self.free = world_size
-        self.gk: list[int] = []
-        self.load: list[float] = []
-        self.bsum: list[float] = []
-        self.nsum: list[float] = []
-        self.held: list[int] = []
-        self.members: list[list[int]] = []
-        self.heaps: dict[int, list[tuple[float, int]]] = {}
-        self.parked: dict[int, list[tuple[int, int]]] = {}
-        self.classes = np.zeros(0, dtype=np.int64)  # every group's class and load, after the single-rank deal
-        self.loads = np.zeros(0)
-        self.single_seq = np.zeros(0, dtype=np.int64)  # single-rank deal: sequence and group of each placement
-        self.single_gid = np.zeros(0, dtype=np.int64)
-        self.ordered: dict[int, list[tuple[float, int]]] = {}  # per class, (load, group) ascending
-
-    def new(self, j: int) -> int:
-        g = len(self.gk)
-        self.gk.append(j)
-        self.load.append(0.0)
-        self.bsum.append(0.0)
-        self.nsum.append(0.0)
-        self.held.append(0)
-        self.members.append([])
-        self.free -= self.sizes[j]
-        heapq.heappush(self.heaps.setdefault(j, []), (0.0, g))
-        bisect.insort(self.ordered.setdefault(j, []), (0.0, g))
-        return g
-
-    def fullest(self, j: int, need: int, room: float) -> int | None:
-        """Most loaded group of class ``j`` whose load is at most ``room`` and that has room for ``need`` tokens per
-        rank (best fit: groups fill up one after the other and whole groups stay free for heavier sequences)."""
-        order = self.ordered.get(j)
-        if not order:
-            return None
-        pos = bisect.bisect_right(order, (room, 1 << 62))
-        cap = self.cap
-        for k in range(pos - 1, max(pos - 1 - _FIT_SCAN, -1), -1):
-            g = order[k][1]
-            if self.held[g] + need <= cap:
-                return g
-        return None
-
-    def least(self, j: int, need: int) -> int | None:
-        """Least loaded group of class ``j`` with room for ``need`` tokens per rank.
-
-        Groups without room for the sequence at hand are parked (a max-heap on their room) and come back when a
-        sequence small enough for them asks: sequences arrive heaviest first, so parking is rare and cheap.
-        """
-        heap = self.heaps.get(j)
-        if heap is None:
-            return None
-        parked = self.parked.setdefault(j, [])
-        while parked and -parked[0][0] >= need:
-            _, g = heapq.heappop(parked)
-            heapq.heappush(heap, (self.load[g], g))
-        cap = self.cap
-        while heap:
-            lo, g = heap[0]
-            if lo != self.load[g]:
-                heapq.heappop(heap)  # stale
-            elif self.held[g] + need > cap:
-                heapq.heappop(heap)
-                heapq.heappush(parked, (self.held[g] - cap, g))
-            else:
-                return g
-        return None
-
-    def put(self, g: int, seq: int, base: float, net: float, shard: int, fixed: float) -> None:
-        order = self.ordered[self.gk[g]]
-        del order[bisect.bisect_left(order, (self.load[g], g))]
-        self.bsum[g] += base
-        self.nsum[g] += net
-        n = self.nsum[g]
-        self.load[g] = self.bsum[g] + (self.exposure * n if n > 0 else 0.0) + fixed
-        self.held[g] += shard
-        self.members[g].append(seq)
-        heapq.heappush(self.heaps[self.gk[g]], (self.load[g], g))
-        bisect.insort(order, (self.load[g], g))
-
-
-def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: float, last: bool) -> list[int]:
-    """Place multi-rank sequences (columns of the tables, heaviest first); return the ones that wait."""
-    tab = mb.tab
-    base, net, shards, cost, fixed = tab.base, tab.net, tab.shards, tab.cost, tab.fixed.tolist()
-    sizes, cap, top = mb.sizes, mb.cap, len(mb.sizes) - 1
-    exposure = mb.exposure
-    wait: list[int] = []
-    misses = 0
-    for c in seqs.tolist():
-        if misses >= _GIVE_UP and not last and mb.free < mb.sizes[int(kdeg[c])]:
-            wait.append(c)
-            continue
-        k = int(kdeg[c])
-        choice = -1
-        cls = k
-        for j in range(k, min(k + REACH, top) + 1):
-            need = int(shards[j, c])
-            if need > cap:
-                continue
-            g = mb.fullest(j, need, target - base[j, c] - fixed[j])
-            if g is not None:
-                n = mb.nsum[g] + net[j, c]
-                after = mb.bsum[g] + base[j, c] + (exposure * n if n > 0 else 0.0) + fixed[j]
-                if after <= target:
-                    choice, cls = g, j
-                    break
-        if choice == -1 and mb.free >= sizes[k] and int(shards[k, c]) <= cap:
-            choice = -2  # a new group of its own class on free ranks
-        if choice == -1 and last:
-            best = None
-            for j in range(k, top + 1):
-                need = int(shards[j, c])
-                g = mb.least(j, need) if need <= cap else None
-                if g is not None and (best is None or mb.load[g] + cost[j, c] < best[0]):
-                    best = (mb.load[g] + float(cost[j, c]), g, j)
-            if best is not None:
-                choice, cls = best[1], best[2]
-        if choice == -1:
-            wait.append(c)
-            misses += 1
-            continue
-        misses = 0
-        g = mb.new(cls) if choice == -2 else choice
-        mb.put(g, int(tab.multi[c]), float(base[cls, c]), float(net[cls, c]), int(shards[cls, c]), fixed[cls])
-    return wait
-
-
-def _place_single(
-    mb: _Microbatch, cost: CostModel, lens: np.ndarray, seqs: np.ndarray, target: float, last: bool
-) -> np.ndarray:
-    """Deal single-rank-class sequences (heaviest first) in LPT rounds over every group; return those that wait."""
-    ds = mb.ds
-    free = mb.free
-    mb.free = 0
-    gk = np.concatenate([np.asarray(mb.gk, dtype=np.int64), np.zeros(free, dtype=np.int64)])
-    g_all = np.arange(gk.size)
-    load = np.concatenate([np.asarray(mb.load), np.zeros(free)])
-    mb.classes, mb.loads = gk, load
-    if g_all.size == 0 or seqs.size == 0:
-        return seqs
-    bsum = np.concatenate([np.asarray(mb.bsum), np.zeros(free)])
-    nsum = np.concatenate([np.asarray(mb.nsum), np.zeros(free)])
-    held = np.concatenate([np.asarray(mb.held, dtype=np.int64), np.zeros(free, dtype=np.int64)])
-    # the sequences' parts at every class present, computed once: a round only gathers
-    present, row = np.unique(gk, return_inverse=True)
-    tab_base, tab_net = cost.parts(lens[seqs], ds.ulysses[present], ds.ring[present])
-    tab_shard = shard_tokens(lens[seqs][None, :], ds.sizes[present][:, None])
-    fixed = cost.fixed(ds.ulysses, ds.ring)[gk]
-    exposure = cost.ring_exposure
-    assign = np.full(seqs.size, -1, dtype=np.int64)
-    single_cost = mb.tab.cost_min[seqs]
-    size = ds.sizes[gk]
-    # no finer than a kernel tile per rank, except in the last microbatch, which must take everything
-    reach = np.inf if last else np.maximum(1.0, lens[seqs] / max(cost.min_chunk_tokens, 1.0))
-    limit = np.inf if last else target
-    todo = np.arange(seqs.size)
-    for _ in range(3 if last else 1):  # the last microbatch deals what found no room again, to what is left
-        todo = todo[np.argsort(-single_cost[todo], kind="stable")]
-        missed = []
-        pos = 0
-        lightest = float(single_cost[todo].min()) if todo.size else 0.0
-        for _ in range(_ROUNDS):
-            if pos >= todo.size:
-                break
-            open_ = np.flatnonzero(load + lightest <= limit) if np.isfinite(limit) else g_all
-            if open_.size == 0:
-                break
-            if np.isfinite(limit):  # heavier than any open group's slack even split over its ranks: no try
-                slack = limit - load[open_].min()
-                lower = single_cost[todo[pos:]] / size[open_].max()
-                skip = int(np.searchsorted(-lower, -slack, "left"))
-                if skip:
-                    missed.append(todo[pos : pos + skip])
-                    pos += skip
-                    if pos >= todo.size:
-                        break
-            take = min(todo.size - pos, open_.size)
-            batch = todo[pos : pos + take]
-            pos += take
-            g = open_[np.argpartition(load[open_], take - 1)[:take]] if take < open_.size else open_
-            g = g[np.argsort(load[g], kind="stable")]
-            rg = row[g]
-            b, n, shard = tab_base[rg, batch], tab_net[rg, batch], tab_shard[rg, batch]
-            after = bsum[g] + b + exposure * np.maximum(nsum[g] + n, 0.0) + fixed[g]
-            ok = (after <= limit) & (held[g] + shard <= mb.cap) & (size[g] <= (reach if last else reach[batch]))
-            g, b, n, shard, after = g[ok], b[ok], n[ok], shard[ok], after[ok]
-            bsum[g] += b
-            nsum[g] += n
-            held[g] += shard
-            load[g] = after
-            assign[batch[ok]] = g
-            missed.append(batch[~ok])
-        missed.append(todo[pos:])
-        todo = np.concatenate(missed)
-        if todo.size == 0:
-            break
-    placed = np.flatnonzero(assign >= 0)
-    mb.single_seq, mb.single_gid = seqs[placed], assign[placed]
-    return seqs[todo]
 
 
 @dataclass

@@ -25,7 +25,7 @@ from lightning_hydra.planner.mcore import schedule_mcore
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import Scored, choose, ensemble, span_of
-from lightning_hydra.planner.static import schedule_static
+from lightning_hydra.planner.static import static_layout
 
 __all__ = ["CANDIDATES", "MCORE_BUDGET", "candidates", "schedule_hydra"]
 
@@ -60,7 +60,7 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     """
     lengths = req.lengths
     formed = candidates(req)
-    static = schedule_static(req)
+    static = static_layout(req)
     models = ensemble(req.cost)
 
     def spans(*flat: np.ndarray | int) -> np.ndarray:
@@ -72,19 +72,19 @@ def schedule_hydra(req: PlanRequest) -> Plan:
         flat = (f.group_mb, f.degrees.ulysses[k], f.degrees.ring[k], f.seq, f.gid, f.num_microbatches)
         # the Megatron-shaped formation bounds hydra's own prediction
         scored.append(Scored(f.name, spans(*flat), f.name.endswith("/memory")))
-    plans = {"static": static}
-    if lengths.size * math.sqrt(req.world_size) <= MCORE_BUDGET:
-        plans["mcore"] = schedule_mcore(req)
-    for name, plan in plans.items():
-        mb, _, u, r, seq, gid = plan.flat()
-        scored.append(Scored(name, spans(mb, u, r, seq, gid, plan.num_microbatches), True))
+    smb, su, sr, sseq, sbin = static.flat(req)
+    scored.append(Scored("static", spans(smb, su, sr, sseq, sbin, static.num_microbatches), True))
+    mcore = schedule_mcore(req) if lengths.size * math.sqrt(req.world_size) <= MCORE_BUDGET else None
+    if mcore is not None:
+        mb, _, u, r, seq, gid = mcore.flat()
+        scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches), True))
     pick, regret = choose(scored)
     stats: dict[str, float | str] = {"candidate": scored[pick].name}
     for s in scored:
         stats[f"span/{s.name}"] = float(s.spans[0])
         stats[f"regret/{s.name}"] = regret[s.name]
     if pick >= len(formed):
-        plan = plans[scored[pick].name]
+        plan = static.plan(req) if scored[pick].name == "static" or mcore is None else mcore
         plan.policy = "hydra"
         plan.stats = stats
         return plan

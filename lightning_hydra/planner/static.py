@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -10,11 +11,59 @@ from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.plan import Group, Plan, PlanError
 from lightning_hydra.planner.request import PlanRequest
 
-__all__ = ["schedule_static"]
+__all__ = ["StaticLayout", "schedule_static", "static_layout"]
 
 
-def schedule_static(req: PlanRequest) -> Plan:
-    """Static CP: degree = the memory minimum of the longest allowed sequence, for every sequence.
+@dataclass
+class StaticLayout:
+    """The static plan as flat arrays (what ``hydra`` scores; :meth:`plan` builds the groups)."""
+
+    degree: int
+    """The one CP degree."""
+    groups_per_mb: int
+    """Groups of ``degree`` ranks per microbatch."""
+    num_bins: int
+    """Bins over all microbatches (``groups_per_mb`` per microbatch)."""
+    seq: np.ndarray
+    """Every sequence, ordered by bin."""
+    bin: np.ndarray
+    """Bin of each entry of ``seq``."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches used."""
+        return self.num_bins // self.groups_per_mb
+
+    def flat(self, req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per bin its microbatch, Ulysses and ring degrees; per sequence its index and bin (as :meth:`Plan.flat`
+        without the first ranks, and without the idle groups, which cost nothing)."""
+        factors = req.rules.factor(self.degree)
+        if factors is None:  # pragma: no cover - the degree came from the allowed (factored) ones
+            raise PlanError(f"static degree {self.degree} cannot be split into ulysses x ring")
+        u, r = factors
+        mb = np.arange(self.num_bins, dtype=np.int64) // self.groups_per_mb
+        return (
+            mb,
+            np.full(self.num_bins, u, dtype=np.int64),
+            np.full(self.num_bins, r, dtype=np.int64),
+            self.seq,
+            self.bin,
+        )
+
+    def plan(self, req: PlanRequest) -> Plan:
+        """The :class:`Plan`: bin ``k`` of a microbatch on ranks ``k * degree`` onwards; idle ranks fill the rest."""
+        cuts = np.searchsorted(self.bin, np.arange(self.num_bins + 1)).tolist()
+        seqs = self.seq.tolist()
+        d, per = self.degree, self.groups_per_mb
+        microbatches: list[list[Group]] = []
+        for m in range(self.num_microbatches):
+            groups = [req.group(k * d, d, seqs[cuts[m * per + k] : cuts[m * per + k + 1]]) for k in range(per)]
+            microbatches.append(req.fill_idle(groups))
+        return req.plan(microbatches, "static", degree=float(d))
+
+
+def static_layout(req: PlanRequest) -> StaticLayout:
+    """Static CP's bins: degree = the memory minimum of the longest allowed sequence, for every sequence.
 
     The pool is cut into ``N / d`` aligned groups; each microbatch has one bin per group. Sequences, longest
     first, are dealt in rounds to the bins holding the fewest tokens (one each per round: a token-balancing
@@ -49,13 +98,11 @@ def schedule_static(req: PlanRequest) -> Plan:
         where[k] = b
         heapq.heappush(heap, (tokens + int(need[k]), b))
     placed = np.argsort(where, kind="stable")
-    cuts = np.searchsorted(where[placed], np.arange(held.size + 1))
-    seqs = order[placed].tolist()
-    microbatches: list[list[Group]] = []
-    for m in range(held.size // groups_per_mb):
-        groups = [
-            req.group(k * degree, degree, seqs[cuts[m * groups_per_mb + k] : cuts[m * groups_per_mb + k + 1]])
-            for k in range(groups_per_mb)
-        ]
-        microbatches.append(req.fill_idle(groups))
-    return req.plan(microbatches, "static", degree=float(degree))
+    return StaticLayout(
+        degree=degree, groups_per_mb=groups_per_mb, num_bins=held.size, seq=order[placed], bin=where[placed]
+    )
+
+
+def schedule_static(req: PlanRequest) -> Plan:
+    """Static CP (see :func:`static_layout`): one degree for every sequence, bins balanced by tokens."""
+    return static_layout(req).plan(req)

@@ -1,0 +1,360 @@
+"""Placement of one microbatch's sequences into CP groups: the inner loops of :mod:`~lightning_hydra.planner.formation`.
+
+Multi-rank sequences are placed heaviest first, each into the most loaded group within the level that has room
+(best fit) or a new group of its own class; runs that can only open groups of their own are opened in bulk, with
+exactly the groups the one-by-one placement would open. Single-rank sequences are then dealt in vectorised rounds:
+every group takes the longest remaining sequence that fits its slack, its token room and the kernel tile.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.degrees import shard_tokens
+
+if TYPE_CHECKING:
+    from lightning_hydra.planner.formation import DegreeSet, _Tables
+
+__all__ = ["REACH"]
+
+REACH = 2
+"""Classes above its own a multi-rank sequence may join (a larger group with room within the level)."""
+_FIT_SCAN = 16
+"""Groups looked at below the best fit for one with token room."""
+_ROUNDS = 64
+"""Most rounds of one pass of the single-rank dealing (a round gives one sequence to each open group)."""
+_GIVE_UP = 64
+"""Consecutive multi-rank sequences that find no place before the rest waits for the next microbatch."""
+_RUN = 256
+"""Sequences looked at for one run of group openings (:func:`_opening_run`)."""
+_COOLDOWN = 16
+"""Scalar openings after a look for a run that found none, before the next look."""
+_BIG = 1 << 62
+"""A group number above any (the upper end of a bisection over ``(load, group)`` pairs)."""
+
+
+class _Microbatch:
+    """Groups of the microbatch being formed: Python lists (fast scalar updates) and, per class, the groups
+    ordered by ``(load, group)``."""
+
+    def __init__(self, tab: _Tables, ds: DegreeSet, cost: CostModel, world_size: int, capacity: int) -> None:
+        self.tab, self.ds, self.cap = tab, ds, capacity
+        self.exposure = cost.ring_exposure
+        self.sizes = ds.sizes.tolist()
+        self.free = world_size
+        self.gk: list[int] = []
+        self.load: list[float] = []
+        self.bsum: list[float] = []
+        self.nsum: list[float] = []
+        self.held: list[int] = []
+        self.members: list[list[int]] = []
+        self.classes = np.zeros(0, dtype=np.int64)  # every group's class and load, after the single-rank deal
+        self.loads = np.zeros(0)
+        self.single_seq = np.zeros(0, dtype=np.int64)  # single-rank deal: sequence and group of each placement
+        self.single_gid = np.zeros(0, dtype=np.int64)
+        self.ordered: dict[int, list[tuple[float, int]]] = {}  # per class, (load, group) ascending
+        self.heaps: dict[int, list[tuple[float, int]]] = {}  # per class, built by the first :meth:`least`
+        self.parked: dict[int, list[tuple[int, int]]] = {}
+
+    def open(self, j: int, seq: int, base: float, net: float, shard: int, load: float) -> None:
+        """A new group of class ``j`` on free ranks, holding ``seq`` (its load computed by the caller)."""
+        self.open_many([j], [seq], [base], [net], [shard], [load])
+
+    def open_many(
+        self, classes: list[int], seqs: list[int], base: list[float], net: list[float], shards: list[int],
+        loads: list[float],
+    ) -> None:  # fmt: skip
+        """New groups, one per sequence, numbered in order (what one :meth:`open` per sequence makes)."""
+        g0 = len(self.gk)
+        self.gk.extend(classes)
+        self.load.extend(loads)
+        self.bsum.extend(base)
+        self.nsum.extend(net)
+        self.held.extend(shards)
+        self.members.extend([s] for s in seqs)
+        sizes, ordered = self.sizes, self.ordered
+        touched = set()
+        for t, (j, lo) in enumerate(zip(classes, loads, strict=True)):
+            self.free -= sizes[j]
+            ordered.setdefault(j, []).append((lo, g0 + t))
+            touched.add(j)
+            if j in self.heaps:
+                heapq.heappush(self.heaps[j], (lo, g0 + t))
+        for j in touched:
+            ordered[j].sort()
+
+    def min_loads(self, classes: int) -> np.ndarray:
+        """Smallest load of any group of every class (``inf`` where a class has none)."""
+        return np.asarray([o[0][0] if (o := self.ordered.get(j)) else np.inf for j in range(classes)])
+
+    def least(self, j: int, need: int) -> int | None:
+        """Least loaded group of class ``j`` with room for ``need`` tokens per rank (only the last microbatch asks,
+        for the sequences no group within the level took).
+
+        A lazy min-heap per class, built at the first ask: groups without room for the sequence at hand are parked
+        (a max-heap on their room) and come back when a sequence small enough for them asks; sequences arrive
+        heaviest first, so parking is rare and cheap.
+        """
+        heap = self.heaps.get(j)
+        if heap is None:
+            if j not in self.ordered:
+                return None
+            heap = self.heaps[j] = list(self.ordered[j])  # sorted, hence a heap
+        parked = self.parked.setdefault(j, [])
+        while parked and -parked[0][0] >= need:
+            _, g = heapq.heappop(parked)
+            heapq.heappush(heap, (self.load[g], g))
+        cap = self.cap
+        while heap:
+            lo, g = heap[0]
+            if lo != self.load[g]:
+                heapq.heappop(heap)  # stale
+            elif self.held[g] + need > cap:
+                heapq.heappop(heap)
+                heapq.heappush(parked, (self.held[g] - cap, g))
+            else:
+                return g
+        return None
+
+    def put(self, g: int, seq: int, base: float, net: float, shard: int, fixed: float) -> None:
+        """Add ``seq`` to group ``g``."""
+        order = self.ordered[self.gk[g]]
+        del order[bisect.bisect_left(order, (self.load[g], g))]
+        self.bsum[g] += base
+        self.nsum[g] += net
+        n = self.nsum[g]
+        self.load[g] = self.bsum[g] + (self.exposure * n if n > 0 else 0.0) + fixed
+        self.held[g] += shard
+        self.members[g].append(seq)
+        bisect.insort(order, (self.load[g], g))
+        if (heap := self.heaps.get(self.gk[g])) is not None:
+            heapq.heappush(heap, (self.load[g], g))
+
+
+def _opening_run(
+    mb: _Microbatch, k: np.ndarray, own: np.ndarray, base: np.ndarray, shards: np.ndarray, fixed: np.ndarray,
+    target: float,
+) -> int:  # fmt: skip
+    """How many of the next sequences (heaviest first; their class ``k``, load alone ``own``, and base and shard
+    at the :data:`REACH` classes from theirs) each open a group of their own: the longest run in which no
+    sequence could join a group (no group of a reachable class light enough, counting the groups the run opens
+    before it) and every one fits the free ranks. The scalar placement would open exactly these groups."""
+    top = fixed.size - 1
+    mins = mb.min_loads(top + 1)
+    present = np.unique(k)
+    before = {}  # per class of the run: the lightest group the run opens before each sequence
+    for j in present.tolist():
+        run = np.minimum.accumulate(np.where(k == j, own, np.inf))
+        before[j] = np.concatenate([[np.inf], run[:-1]])
+    joinable = np.zeros(k.size, dtype=bool)
+    for o in range(REACH + 1):
+        j = k + o
+        reach = (j <= top) & (shards[:, o] <= mb.cap)
+        j = np.minimum(j, top)
+        lightest = mins[j]
+        for c, run in before.items():
+            at = j == c
+            lightest = np.where(at, np.minimum(lightest, run), lightest)
+        joinable |= reach & (lightest <= target - base[:, o] - fixed[j])
+    fits = np.cumsum(np.asarray(mb.sizes)[k]) <= mb.free
+    stop = np.flatnonzero(joinable | ~fits)
+    return int(stop[0]) if stop.size else int(k.size)
+
+
+def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: float, last: bool) -> list[int]:
+    """Place multi-rank sequences (columns of the tables, heaviest first); return the ones that wait.
+
+    After :data:`_GIVE_UP` consecutive misses (outside the last microbatch) only sequences whose own class still
+    fits the free ranks are tried; the rest wait without a look (the free ranks only shrink until a placement).
+    Runs of sequences that each open a group of their own are found and opened in bulk (:func:`_opening_run`).
+    """
+    tab = mb.tab
+    if seqs.size == 0:
+        return []
+    fixed_a = tab.fixed
+    cost_tab, fixed = tab.cost, fixed_a.tolist()
+    sizes, cap, top = mb.sizes, mb.cap, len(mb.sizes) - 1
+    exposure = mb.exposure
+    # each sequence's shard, base and net at its class and the REACH classes above
+    k_arr = kdeg[seqs]
+    rows = np.minimum(k_arr[:, None] + np.arange(REACH + 1), top)
+    shards_a = tab.shards[rows, seqs[:, None]]
+    base_a = tab.base[rows, seqs[:, None]]
+    net_a = tab.net[rows, seqs[:, None]]
+    own_a = base_a[:, 0] + exposure * np.maximum(net_a[:, 0], 0.0) + fixed_a[k_arr]
+    need_size = np.asarray(sizes, dtype=np.int64)[k_arr]
+    multi_a = tab.multi[seqs]
+    k_l, seqs_l = k_arr.tolist(), seqs.tolist()
+    ordered, held, load, bsum, nsum = mb.ordered, mb.held, mb.load, mb.bsum, mb.nsum
+    wait: list[int] = []
+    misses = 0
+    bulk = True  # look for a run of openings (at the start, and after an opening unless the last look found none)
+    cooldown = 0  # openings to wait before the next look, after a look that found no run
+    i, n = 0, len(seqs_l)
+    while i < n:
+        if misses >= _GIVE_UP and not last:  # skip what cannot open a group of its own
+            fits = np.flatnonzero(need_size[i:] <= mb.free)
+            nxt = i + int(fits[0]) if fits.size else n
+            wait.extend(seqs_l[i:nxt])
+            i = nxt
+            if i >= n:
+                break
+        if bulk:
+            end = min(n, i + _RUN)
+            run = _opening_run(mb, k_arr[i:end], own_a[i:end], base_a[i:end], shards_a[i:end], fixed_a, target)
+            if run:
+                s = slice(i, i + run)
+                mb.open_many(k_l[s], multi_a[s].tolist(), base_a[s, 0].tolist(), net_a[s, 0].tolist(),
+                             shards_a[s, 0].tolist(), own_a[s].tolist())  # fmt: skip
+                misses = 0
+                i += run
+                continue
+            bulk, cooldown = False, _COOLDOWN
+        t, c = i, seqs_l[i]
+        i += 1
+        k = k_l[t]
+        sh, bs, nt = shards_a[t].tolist(), base_a[t].tolist(), net_a[t].tolist()
+        choice, cls, col = -1, k, 0
+        for o in range(min(REACH, top - k) + 1):
+            j, need = k + o, sh[o]
+            order = ordered.get(j)
+            if need > cap or not order:
+                continue
+            b = bs[o]
+            pos = bisect.bisect_right(order, (target - b - fixed[j], _BIG))
+            for q in range(pos - 1, max(pos - 1 - _FIT_SCAN, -1), -1):  # best fit: the most loaded with room
+                g = order[q][1]
+                if held[g] + need <= cap:
+                    nn = nsum[g] + nt[o]
+                    if bsum[g] + b + (exposure * nn if nn > 0 else 0.0) + fixed[j] <= target:
+                        choice, cls, col = g, j, o
+                    break
+            if choice != -1:
+                break
+        if choice == -1 and mb.free >= sizes[k] and sh[0] <= cap:  # a new group of its own class on free ranks
+            mb.open(k, int(multi_a[t]), bs[0], nt[0], sh[0], float(own_a[t]))
+            misses = 0
+            cooldown -= 1
+            bulk = cooldown <= 0
+            continue
+        if choice == -1 and last:
+            best = None
+            for j in range(k, top + 1):
+                need = int(tab.shards[j, c])
+                g = mb.least(j, need) if need <= cap else None
+                if g is not None and (best is None or load[g] + cost_tab[j, c] < best[0]):
+                    best = (load[g] + float(cost_tab[j, c]), g, j)
+            if best is not None:
+                g, j = best[1], best[2]
+                mb.put(g, int(multi_a[t]), float(tab.base[j, c]), float(tab.net[j, c]), int(tab.shards[j, c]), fixed[j])
+                misses = 0
+                continue
+        if choice == -1:
+            wait.append(c)
+            misses += 1
+            continue
+        misses = 0
+        mb.put(choice, int(multi_a[t]), bs[col], nt[col], sh[col], fixed[cls])
+    return wait
+
+
+def _place_single(
+    mb: _Microbatch, cost: CostModel, lens: np.ndarray, seqs: np.ndarray, target: float, last: bool
+) -> np.ndarray:
+    """Deal single-rank-class sequences to every group in vectorised rounds; return those that wait.
+
+    Each round, every open group takes the heaviest remaining sequence that fits its slack (under the level), its
+    token room and, on a multi-rank group, the kernel tile (a sequence is split no finer than ``min_chunk_tokens``
+    per rank): groups with the most room take the heaviest sequences, and among equal room the least loaded
+    first, so that while everything fits a round is a round of longest-processing-time-first. Collisions (two
+    groups wanting the same sequence) resolve in one pass: the ``i``-th group takes the first free sequence at or
+    after its own candidate. A pair the exact bin time rejects moves that group past the sequence. Rounds end when
+    no group can take anything; the last microbatch has no level and takes what any group has room for.
+    """
+    ds = mb.ds
+    free = mb.free
+    mb.free = 0
+    gk = np.concatenate([np.asarray(mb.gk, dtype=np.int64), np.zeros(free, dtype=np.int64)])
+    load = np.concatenate([np.asarray(mb.load), np.zeros(free)])
+    mb.classes, mb.loads = gk, load
+    if gk.size == 0 or seqs.size == 0:
+        return seqs
+    bsum = np.concatenate([np.asarray(mb.bsum), np.zeros(free)])
+    nsum = np.concatenate([np.asarray(mb.nsum), np.zeros(free)])
+    held = np.concatenate([np.asarray(mb.held, dtype=np.int64), np.zeros(free, dtype=np.int64)])
+    busy = np.concatenate([np.asarray([bool(m) for m in mb.members], dtype=bool), np.zeros(free, dtype=bool)])
+    size, ulysses, ring = ds.sizes[gk], ds.ulysses[gk], ds.ring[gk]
+    fixed = cost.fixed(ulysses, ring)
+    exposure = cost.ring_exposure
+    # sequences longest first
+    order = np.argsort(-lens[seqs], kind="stable")
+    s_len = lens[seqs][order]
+    limit = np.inf if last else target
+    tile = 0.0 if last else max(cost.min_chunk_tokens, 1.0)
+    cap = mb.cap
+    taken = np.zeros(order.size, dtype=bool)
+    lo = np.zeros(gk.size, dtype=np.int64)  # per group: first position (in ``order``) it may still take
+    assign = np.full(order.size, -1, dtype=np.int64)
+
+    def fit(g: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Parts, shard, load after and whether sequence ``pos`` fits group ``g`` (element-wise)."""
+        b, n = cost.pair_parts(s_len[pos], ulysses[g], ring[g])
+        after = bsum[g] + b + exposure * np.maximum(nsum[g] + n, 0.0) + fixed[g]
+        shard = shard_tokens(s_len[pos], size[g])
+        return b, n, shard, after, (after <= limit) & (held[g] + shard <= cap)
+
+    for _ in range(_ROUNDS):
+        rem = np.flatnonzero(~taken)
+        if rem.size == 0:
+            break
+        neg_len = -s_len[rem]
+        # the first sequence each group can still take: within its slack (exact for one rank, the longest the
+        # quadratic part allows for more), its token room, and past any sequence the exact check refused
+        slack = limit - load - np.where(busy, 0.0, fixed)
+        room = 2 * size * ((cap - held) // 2)
+        first = np.maximum.reduce(
+            [
+                np.searchsorted(neg_len, -cost.longest_within(slack, ulysses, ring), "left"),
+                np.searchsorted(neg_len, -room, "left"),
+                np.searchsorted(rem, lo, "left"),
+            ]
+        )
+        stop = np.where(size == 1, rem.size, np.searchsorted(neg_len, -(size * tile), "right"))
+        open_ = np.flatnonzero(first < stop)
+        if open_.size == 0:
+            break
+        open_ = open_[np.lexsort((load[open_], first[open_]))]
+        rank = np.arange(open_.size)
+        idx = rank + np.maximum.accumulate(first[open_] - rank)
+        keep = idx < stop[open_]
+        g, pos = open_[keep], rem[idx[keep]]
+        if g.size == 0:
+            break
+        b, n, shard, after, ok = fit(g, pos)
+        if not ok.all():  # the estimate was optimistic: bisect each such group to the first sequence it takes
+            bad = ~ok
+            gb, left, right = g[bad], idx[keep][bad] + 1, stop[g[bad]]
+            while (left < right).any():
+                mid = (left + right) // 2
+                inside = left < right
+                good = np.zeros(gb.size, dtype=bool)
+                good[inside] = fit(gb[inside], rem[mid[inside]])[4]
+                right = np.where(inside & good, mid, right)
+                left = np.where(inside & ~good, mid + 1, left)
+            lo[gb] = np.where(left < stop[gb], rem[np.minimum(left, rem.size - 1)], order.size)
+        g, pos, b, n, shard, after = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok]
+        bsum[g] += b
+        nsum[g] += n
+        held[g] += shard
+        load[g] = after
+        busy[g] = True
+        taken[pos] = True
+        assign[pos] = g
+    placed = np.flatnonzero(assign >= 0)
+    mb.single_seq, mb.single_gid = seqs[order[placed]], assign[placed]
+    return seqs[order[~taken]]
