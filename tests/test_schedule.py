@@ -165,6 +165,26 @@ def test_hydra_never_predicted_worse_than_mcore_or_static(context: int, capacity
         assert span["hydra"] <= span["static"], (seed, span)
 
 
+@pytest.mark.parametrize(
+    ("world", "context", "capacity", "distribution"),
+    [(16, 65536, 8192, "stdlib"), (64, 32768, 4096, "lognormal"), (64, 262144, 16384, "pareto"),
+     (128, 32768, 4096, "stdlib"), (256, 262144, 16384, "lognormal")],
+)  # fmt: skip
+def test_mcore_fast_is_megatrons_placement(
+    world: int, context: int, capacity: int, distribution: str, cost: CostModel
+) -> None:
+    """hydra's Megatron candidate (without whole-pool scans) makes exactly the baseline's plan."""
+    from lightning_hydra.planner.mcore import schedule_mcore
+    from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
+
+    for seed in (1, 2):
+        lengths = make_batch(
+            distribution, world_size=world, capacity=capacity, num_microbatches=8, fill=0.75, context=context, seed=seed
+        )
+        req = _request(lengths, cost, world, capacity, 8)
+        assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches, seed
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_deterministic_digest_within_process(policy: str, cost: CostModel) -> None:
     lengths = make_batch("stdlib", world_size=16, capacity=8192, num_microbatches=4, fill=0.75, context=65536, seed=7)
