@@ -216,7 +216,12 @@ def _microbatch(
     multi_cols = col[col >= 0]
     multi_cols = multi_cols[kdeg[multi_cols] > 0]
     tallest = float(tab.cost[kdeg[multi_cols], multi_cols].max()) if multi_cols.size else 0.0
-    single = remaining[~np.isin(remaining, tab.multi[multi_cols])] if multi_cols.size else remaining
+    if multi_cols.size:
+        placed_multi = np.zeros(req.lengths.size, dtype=bool)
+        placed_multi[tab.multi[multi_cols]] = True
+        single = remaining[~placed_multi[remaining]]
+    else:
+        single = remaining
     tallest = max(tallest, float(tab.cost_min[single].max()) if single.size else 0.0)
     if raise_degrees and tallest > level * (1 + 1e-9):
         kdeg = tab.classes_at(tallest, raise_degrees)

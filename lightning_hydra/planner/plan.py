@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -102,14 +103,15 @@ class Plan:
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The plan as flat arrays: per group its microbatch, first rank, Ulysses and ring degrees; per placed
         sequence its index and group number (groups numbered in microbatch order)."""
-        groups = [(m, g) for m, gs in enumerate(self.microbatches) for g in gs]
-        mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=len(groups))
-        start = np.fromiter((g.ranks[0] for _, g in groups), dtype=np.int64, count=len(groups))
-        u = np.fromiter((g.ulysses for _, g in groups), dtype=np.int64, count=len(groups))
-        r = np.fromiter((g.ring for _, g in groups), dtype=np.int64, count=len(groups))
-        counts = np.fromiter((len(g.seq_ids) for _, g in groups), dtype=np.int64, count=len(groups))
-        seq = np.fromiter((i for _, g in groups for i in g.seq_ids), dtype=np.int64, count=int(counts.sum()))
-        gid = np.repeat(np.arange(len(groups), dtype=np.int64), counts)
+        groups = [g for gs in self.microbatches for g in gs]
+        n = len(groups)
+        mb = np.repeat(np.arange(len(self.microbatches), dtype=np.int64), [len(gs) for gs in self.microbatches])
+        start = np.array([g.ranks[0] for g in groups], dtype=np.int64).reshape(n)
+        u = np.array([g.ulysses for g in groups], dtype=np.int64).reshape(n)
+        r = np.array([g.ring for g in groups], dtype=np.int64).reshape(n)
+        counts = np.array([len(g.seq_ids) for g in groups], dtype=np.int64).reshape(n)
+        seq = np.fromiter(chain.from_iterable(g.seq_ids for g in groups), dtype=np.int64, count=int(counts.sum()))
+        gid = np.repeat(np.arange(n, dtype=np.int64), counts)
         return mb, start, u, r, seq, gid
 
     def _spread(self, mb: np.ndarray, start: np.ndarray, size: np.ndarray, per_group: np.ndarray) -> np.ndarray:
@@ -164,7 +166,7 @@ class Plan:
         every rank in exactly one group per microbatch, ``degree == ulysses * ring``, and groups aligned (contiguous
         ascending ranks, every Ulysses block inside one node).
         """
-        if tuple(int(x) for x in lengths) != tuple(self.lengths):
+        if tuple(np.asarray(lengths, dtype=np.int64).tolist()) != tuple(self.lengths):
             raise PlanError("the plan was made for different lengths than the batch being checked")
         if self._valid(max_tokens_per_rank):
             return
@@ -173,11 +175,11 @@ class Plan:
     def _valid(self, capacity: int) -> bool:
         """Every invariant at once, vectorised over groups (``False``: look for the first violation)."""
         groups = [g for gs in self.microbatches for g in gs]
-        size = np.fromiter((len(g.ranks) for g in groups), dtype=np.int64, count=len(groups))
+        size = np.array([len(g.ranks) for g in groups], dtype=np.int64).reshape(len(groups))
         if size.size == 0 or (size == 0).any():
             return False
         mb, start, u, r, seq, gid = self.flat()
-        ranks = np.fromiter((x for g in groups for x in g.ranks), dtype=np.int64, count=int(size.sum()))
+        ranks = np.fromiter(chain.from_iterable(g.ranks for g in groups), dtype=np.int64, count=int(size.sum()))
         offset = np.arange(ranks.size) - np.repeat(np.cumsum(size) - size, size)
         if not np.array_equal(ranks, np.repeat(start, size) + offset):
             return False  # not contiguous

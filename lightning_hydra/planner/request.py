@@ -54,7 +54,7 @@ class PlanRequest:
         """Wrap groups into a :class:`Plan` with groups sorted by first rank."""
         ordered = [sorted(groups, key=lambda g: g.ranks[0]) for groups in microbatches]
         return Plan(
-            lengths=tuple(int(x) for x in self.lengths),
+            lengths=tuple(np.asarray(self.lengths, dtype=np.int64).tolist()),
             world_size=self.world_size,
             ranks_per_node=self.rules.ranks_per_node,
             microbatches=ordered,
