@@ -144,9 +144,17 @@ def _one_microbatch(
         else:
             mb.add_to(best[2], seq)
 
+    return _finish(mb, seqs, leftovers, sizes, world_size, capacity)
+
+
+def _finish(
+    mb: _MB, seqs: list[tuple[int, int]], leftovers: list[tuple[int, int]], sizes: list[int], world_size: int,
+    capacity: int,
+) -> tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]:  # fmt: skip
+    """Fill the microbatch's empty ranks as Megatron does and return its groups ``(start, size, sequence ids)`` and
+    the sequences that wait; if no fill works, one group of the whole pool packed from all of ``seqs``."""
     while mb.next_free < world_size:
         if not _fill_once(mb, sizes, world_size):
-            # Fall back to one group of the whole pool, packed from all of this microbatch's candidates.
             chosen, rest, packed = [], [], 0
             for seq in seqs:
                 if packed + shard_tokens(seq[1], world_size) <= capacity:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from lightning_hydra.planner.degrees import shard_tokens
-from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _fill_once, _min_degree
-from lightning_hydra.planner.plan import Group, Plan, PlanError
+from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish, _min_degree
+from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
 
 __all__ = ["schedule_mcore_fast"]
@@ -131,20 +131,7 @@ def _one_microbatch(
         mb.seqs.append(members[g])
         mb.exec[starts[g] : starts[g] + int(g_size[g])] = g_load[g]
     mb.next_free = next_free
-    while mb.next_free < world_size:
-        if not _fill_once(mb, sizes, world_size):
-            chosen, rest, packed = [], [], 0
-            for seq in seqs:
-                if packed + shard_tokens(seq[1], world_size) <= capacity:
-                    chosen.append(seq)
-                    packed += shard_tokens(seq[1], world_size)
-                else:
-                    rest.append(seq)
-            if not chosen:
-                raise PlanError("mcore: not even one sequence fits the whole pool")
-            return [(0, world_size, [i for i, _ in chosen])], rest
-    groups = [(s, z, [i for i, _ in q]) for s, z, q in zip(mb.starts, mb.sizes, mb.seqs, strict=True)]
-    return groups, leftovers
+    return _finish(mb, seqs, leftovers, sizes, world_size, capacity)
 
 
 def schedule_mcore_fast(req: PlanRequest) -> Plan:
