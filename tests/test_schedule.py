@@ -272,3 +272,20 @@ def test_bulk_openings_make_the_one_by_one_placement(
             patch.setattr(placement, "_RUN", 0)  # no run is ever found: every sequence goes the one-by-one way
             single = _run(lengths, "hydra", cost, **kw)
         assert bulk.stats == single.stats and bulk.digest() == single.digest(), distribution
+
+
+def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostModel) -> None:
+    lengths = make_batch("stdlib", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=4)
+    kw = {"world": 64, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}
+    assert lengths.size * 8 <= 32768  # within the default budget
+    default = _run(lengths, "hydra", cost, **kw)
+    assert "span/mcore" in default.stats
+    assert "span/mcore" not in _run(lengths, "hydra", cost, mcore_budget=0, **kw).stats
+    big = make_batch("lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=4)
+    assert "span/mcore" not in _run(big, "hydra", cost, mcore_budget=big.size * 8 - 1, **kw).stats
+    raised = _run(big, "hydra", cost, mcore_budget=big.size * 8, **kw)
+    mcore = _run(big, "mcore", cost, **kw)
+    assert raised.stats["span/mcore"] == pytest.approx(float(mcore.loads(cost).max(axis=1).sum()))
+    assert raised.stats[f"span/{raised.stats['candidate']}"] <= raised.stats["span/mcore"] * (1 + 1e-12)
+    with pytest.raises(ValueError, match="mcore_budget"):
+        _run(lengths, "hydra", cost, mcore_budget=-1, **kw)

@@ -37,6 +37,9 @@ class PlannerConfig:
     """Pipeline stages the plan's microbatches flow through: with more than one, ``hydra`` scores a plan by its
     1F1B step time (the sum of microbatch maxima plus ``P - 1`` times the largest), so it favours equal microbatch
     maxima and at least as many microbatches as asked."""
+    mcore_budget: float | None = None
+    """Largest ``sequences * sqrt(ranks)`` for which ``hydra`` also forms Megatron's placement as a candidate (and
+    is then never predicted worse than it); ``None``: the default (about 50 ms of planning), ``0``: never."""
 
     def schedule(
         self,
@@ -66,4 +69,5 @@ class PlannerConfig:
             max_ring=self.max_ring,
             max_seq_len=self.max_seq_len,
             pipeline_stages=self.pipeline_stages,
+            mcore_budget=self.mcore_budget,
         )

@@ -37,7 +37,8 @@ MCORE_BUDGET = 32768
 vector expression over the groups per sequence placed, about 1.6 us per unit of that product here: 40 ms for 1,100
 sequences on 512 ranks, 0.6 s for 8,900, 2.4 s for 36,000 on 2,048). Where the truth charges every microbatch a
 fixed cost (GEMMs below peak, launches) and tokens bind (32K contexts), Megatron's dense first-fit packing can beat
-every load-driven formation; within the budget hydra is never predicted worse than it."""
+every load-driven formation; within the budget hydra is never predicted worse than it. A run that plans ahead of
+its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, ``PlannerConfig.mcore_budget``)."""
 
 
 def candidates(req: PlanRequest) -> list[Formation]:
@@ -76,7 +77,8 @@ def schedule_hydra(req: PlanRequest) -> Plan:
         scored.append(Scored(f.name, spans(*flat), f.name.endswith("/memory")))
     smb, su, sr, sseq, sbin = static.flat(req)
     scored.append(Scored("static", spans(smb, su, sr, sseq, sbin, static.num_microbatches), True))
-    mcore = schedule_mcore_fast(req) if lengths.size * math.sqrt(req.world_size) <= MCORE_BUDGET else None
+    budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
+    mcore = schedule_mcore_fast(req) if lengths.size * math.sqrt(req.world_size) <= budget else None
     if mcore is not None:
         mb, _, u, r, seq, gid = mcore.flat()
         scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches), True))

@@ -33,6 +33,9 @@ class PlanRequest:
     """Longest sequence the run allows (sizes the static degree); ``None`` means the batch's longest."""
     pipeline_stages: int = 1
     """Pipeline stages the microbatches flow through (1: data-parallel accumulation)."""
+    mcore_budget: float | None = None
+    """Largest ``sequences * sqrt(ranks)`` for which ``hydra`` also forms Megatron's placement as a candidate
+    (``None``: :data:`lightning_hydra.planner.hydra.MCORE_BUDGET`; ``0``: never)."""
 
     @property
     def world_size(self) -> int:
