@@ -289,3 +289,22 @@ def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostMo
     assert raised.stats[f"span/{raised.stats['candidate']}"] <= raised.stats["span/mcore"] * (1 + 1e-12)
     with pytest.raises(ValueError, match="mcore_budget"):
         _run(lengths, "hydra", cost, mcore_budget=-1, **kw)
+
+
+@pytest.mark.parametrize(
+    ("world", "capacity", "count", "length", "microbatches"), [(8, 16384, 2300, 50, 1), (16, 8192, 5000, 30, 2)]
+)
+def test_many_short_sequences_fill_the_asked_microbatches(
+    world: int, capacity: int, count: int, length: int, microbatches: int, cost: CostModel
+) -> None:
+    """Hundreds of sequences per rank (more than the dealing's rounds): every candidate still holds the batch in the
+    asked microbatches instead of spilling into more."""
+    from lightning_hydra.planner.hydra import candidates
+
+    lengths = np.full(count, length, dtype=np.int64)
+    assert count * length <= 0.9 * world * capacity * microbatches
+    req = _request(lengths, cost, world, capacity, microbatches)
+    assert [f.num_microbatches for f in candidates(req)] == [microbatches] * 3
+    assert _run(lengths, "hydra", cost, world=world, capacity=capacity, microbatches=microbatches).num_microbatches == (
+        microbatches
+    )

@@ -355,6 +355,60 @@ def _place_single(
         busy[g] = True
         taken[pos] = True
         assign[pos] = g
+    else:  # many short sequences per group: deal the rest in blocks, several per group at once
+        state = (bsum, nsum, held, load, busy)
+        while _deal_block(cost, s_len, taken, assign, state, size, ulysses, ring, fixed, limit, tile, cap):
+            pass
     placed = np.flatnonzero(assign >= 0)
     mb.single_seq, mb.single_gid = seqs[order[placed]], assign[placed]
     return seqs[order[~taken]]
+
+
+def _deal_block(
+    cost: CostModel, s_len: np.ndarray, taken: np.ndarray, assign: np.ndarray, state: tuple[np.ndarray, ...],
+    size: np.ndarray, ulysses: np.ndarray, ring: np.ndarray, fixed: np.ndarray, limit: float, tile: float, cap: int,
+) -> bool:  # fmt: skip
+    """One block of the dealing once its rounds are spent (more than :data:`_ROUNDS` sequences per group): the
+    remaining sequences (longest first) go round-robin to the groups, least loaded first, as many per group as there
+    are sequences per group left; each group keeps the longest prefix of its share that fits its level, token room
+    and tile. Updates ``state`` (per-group base sum, net sum, tokens, load, busy) in place; returns whether anything
+    was placed."""
+    bsum, nsum, held, load, busy = state
+    rem = np.flatnonzero(~taken)
+    groups = np.flatnonzero((load < limit) & (held < cap))
+    if rem.size == 0 or groups.size == 0:
+        return False
+    groups = groups[np.argsort(load[groups], kind="stable")]
+    per = -(-rem.size // groups.size)
+    slot = np.arange(min(rem.size, per * groups.size))
+    g = groups[slot % groups.size]
+    pos = rem[slot]
+    b, n = cost.pair_parts(s_len[pos], ulysses[g], ring[g])
+    shard = shard_tokens(s_len[pos], size[g])
+    # per group, its share in dealing order: running sums give the load and tokens after each sequence
+    by = np.lexsort((slot, g))
+    g, pos, b, n, shard = g[by], pos[by], b[by], n[by], shard[by]
+    start = np.r_[0, np.flatnonzero(g[1:] != g[:-1]) + 1]
+    first = np.repeat(start, np.diff(np.r_[start, g.size]))
+
+    def running(x: np.ndarray) -> np.ndarray:
+        total = np.cumsum(x)
+        return total - np.r_[0, total][first]
+
+    after = bsum[g] + running(b) + cost.ring_exposure * np.maximum(nsum[g] + running(n), 0.0) + fixed[g]
+    fits = (after <= limit) & (held[g] + running(shard) <= cap) & ((size[g] == 1) | (s_len[pos] >= size[g] * tile))
+    # keep each group's longest fitting prefix
+    bad = np.where(fits, g.size, np.arange(g.size))
+    ok = np.arange(g.size) < np.minimum.reduceat(bad, start)[np.searchsorted(start, np.arange(g.size), "right") - 1]
+    if not ok.any():
+        return False
+    g, pos, b, n, shard = g[ok], pos[ok], b[ok], n[ok], shard[ok]
+    np.add.at(bsum, g, b)
+    np.add.at(nsum, g, n)
+    np.add.at(held, g, shard)
+    touched = np.unique(g)
+    load[touched] = bsum[touched] + cost.ring_exposure * np.maximum(nsum[touched], 0.0) + fixed[touched]
+    busy[g] = True
+    taken[pos] = True
+    assign[pos] = g
+    return True
