@@ -114,8 +114,8 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``), running :func:`preflight` first
-    and destroying the process groups when a worker's function returns (a worker that exits with Gloo's groups
-    alive can abort in the interpreter's finalisation: ``terminate called without an active exception``)."""
+    and destroying the process groups when a worker's function returns normally (a worker that exits with Gloo's
+    groups alive can abort in the interpreter's finalisation: ``terminate called without an active exception``)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -124,11 +124,14 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super()._wrapping_function(*args, **kwargs)
-        finally:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
+        super()._wrapping_function(*args, **kwargs)
+        # after a normal return only: a rank that raised must not block in a collective teardown while its peers
+        # may still wait in a collective (the error reaches the parent instead)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
                 torch.distributed.destroy_process_group()
+            except Exception as error:  # the run's results are already out: only say it
+                log.warning("HydraStrategy: destroying the process groups at the end of a worker failed: %s", error)
 
 
 class SpawnLauncher(CheckedMultiProcessingLauncher):
