@@ -161,7 +161,7 @@ def _opening_run(
             at = j == c
             lightest = np.where(at, np.minimum(lightest, run), lightest)
         joinable |= reach & (lightest <= target - base[:, o] - fixed[j])
-    fits = np.cumsum(np.asarray(mb.sizes)[k]) <= mb.free
+    fits = (np.cumsum(np.asarray(mb.sizes)[k]) <= mb.free) & (shards[:, 0] <= mb.cap)  # as the one-by-one opening
     stop = np.flatnonzero(joinable | ~fits)
     return int(stop[0]) if stop.size else int(k.size)
 
