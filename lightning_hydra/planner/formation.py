@@ -108,11 +108,11 @@ class Formation:
         k = self.group_class
         return cost.group_loads(lengths[self.seq], self.gid, self.degrees.ulysses[k], self.degrees.ring[k])
 
-    def span(self, cost: CostModel, lengths: np.ndarray) -> float:
-        """Sum over microbatches of the largest group load under ``cost``."""
-        per_mb = np.zeros(self.num_microbatches)
-        np.maximum.at(per_mb, self.group_mb, self.loads(cost, lengths))
-        return float(per_mb.sum())
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """What :func:`~lightning_hydra.planner.robust.span_of` scores: per group its microbatch, Ulysses and ring
+        degrees; per placed sequence its index and group; the number of microbatches."""
+        k = self.group_class
+        return self.group_mb, self.degrees.ulysses[k], self.degrees.ring[k], self.seq, self.gid, self.num_microbatches
 
     def plan(self, req: PlanRequest, **stats: float | str) -> Plan:
         """The :class:`Plan`: groups laid out largest Ulysses degree first, then largest size, so that every group

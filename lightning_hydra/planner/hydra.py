@@ -69,14 +69,9 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     def spans(*flat: np.ndarray | int) -> np.ndarray:
         return np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models])
 
-    scored = []
-    for f in formed:
-        k = f.group_class
-        flat = (f.group_mb, f.degrees.ulysses[k], f.degrees.ring[k], f.seq, f.gid, f.num_microbatches)
-        # the Megatron-shaped formation bounds hydra's own prediction
-        scored.append(Scored(f.name, spans(*flat), f.name.endswith("/memory")))
-    smb, su, sr, sseq, sbin = static.flat(req)
-    scored.append(Scored("static", spans(smb, su, sr, sseq, sbin, static.num_microbatches), True))
+    # the Megatron-shaped formation, static and mcore bound hydra's own prediction
+    scored = [Scored(f.name, spans(*f.flat()), f.name.endswith("/memory")) for f in formed]
+    scored.append(Scored("static", spans(*static.flat()), True))
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
     mcore = schedule_mcore_fast(req) if lengths.size * math.sqrt(req.world_size) <= budget else None
     if mcore is not None:
@@ -88,7 +83,7 @@ def schedule_hydra(req: PlanRequest) -> Plan:
         stats[f"span/{s.name}"] = float(s.spans[0])
         stats[f"regret/{s.name}"] = regret[s.name]
     if pick >= len(formed):
-        plan = static.plan(req) if scored[pick].name == "static" or mcore is None else mcore
+        plan = mcore if mcore is not None and scored[pick].name == "mcore" else static.plan(req)
         plan.policy = "hydra"
         plan.stats = stats
         return plan

@@ -20,6 +20,10 @@ class StaticLayout:
 
     degree: int
     """The one CP degree."""
+    ulysses: int
+    """Its Ulysses degree."""
+    ring: int
+    """Its ring degree."""
     groups_per_mb: int
     """Groups of ``degree`` ranks per microbatch."""
     num_bins: int
@@ -34,21 +38,14 @@ class StaticLayout:
         """Microbatches used."""
         return self.num_bins // self.groups_per_mb
 
-    def flat(self, req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per bin its microbatch, Ulysses and ring degrees; per sequence its index and bin (as :meth:`Plan.flat`
-        without the first ranks, and without the idle groups, which cost nothing)."""
-        factors = req.rules.factor(self.degree)
-        if factors is None:  # pragma: no cover - the degree came from the allowed (factored) ones
-            raise PlanError(f"static degree {self.degree} cannot be split into ulysses x ring")
-        u, r = factors
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """What :func:`~lightning_hydra.planner.robust.span_of` scores (as :meth:`Formation.flat`): per bin its
+        microbatch, Ulysses and ring degrees; per sequence its index and bin; the number of microbatches (idle
+        groups cost nothing and are left out)."""
         mb = np.arange(self.num_bins, dtype=np.int64) // self.groups_per_mb
-        return (
-            mb,
-            np.full(self.num_bins, u, dtype=np.int64),
-            np.full(self.num_bins, r, dtype=np.int64),
-            self.seq,
-            self.bin,
-        )
+        u = np.full(self.num_bins, self.ulysses, dtype=np.int64)
+        r = np.full(self.num_bins, self.ring, dtype=np.int64)
+        return mb, u, r, self.seq, self.bin, self.num_microbatches
 
     def plan(self, req: PlanRequest) -> Plan:
         """The :class:`Plan`: bin ``k`` of a microbatch on ranks ``k * degree`` onwards; idle ranks fill the rest."""
@@ -98,9 +95,14 @@ def static_layout(req: PlanRequest) -> StaticLayout:
         where[k] = b
         heapq.heappush(heap, (tokens + int(need[k]), b))
     placed = np.argsort(where, kind="stable")
+    factors = req.rules.factor(degree)
+    if factors is None:  # pragma: no cover - memory_min returns allowed (factored) degrees only
+        raise PlanError(f"static degree {degree} cannot be split into ulysses x ring")
+    ulysses, ring = factors
     return StaticLayout(
-        degree=degree, groups_per_mb=groups_per_mb, num_bins=held.size, seq=order[placed], bin=where[placed]
-    )
+        degree=degree, ulysses=ulysses, ring=ring, groups_per_mb=groups_per_mb, num_bins=held.size,
+        seq=order[placed], bin=where[placed],
+    )  # fmt: skip
 
 
 def schedule_static(req: PlanRequest) -> Plan:
