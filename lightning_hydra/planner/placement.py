@@ -27,7 +27,8 @@ REACH = 2
 _FIT_SCAN = 16
 """Groups looked at below the best fit for one with token room."""
 _ROUNDS = 64
-"""Most rounds of one pass of the single-rank dealing (a round gives one sequence to each open group)."""
+"""Rounds of the single-rank dealing (a round gives one sequence to each open group) before the rest is dealt in
+blocks (:func:`_deal_block`)."""
 _GIVE_UP = 64
 """Consecutive multi-rank sequences that find no place before the rest waits for the next microbatch."""
 _RUN = 256
@@ -137,11 +138,11 @@ class _Microbatch:
 
 
 def _opening_run(
-    mb: _Microbatch, k: np.ndarray, own: np.ndarray, base: np.ndarray, shards: np.ndarray, fixed: np.ndarray,
-    target: float,
+    mb: _Microbatch, k: np.ndarray, size: np.ndarray, own: np.ndarray, base: np.ndarray, shards: np.ndarray,
+    fixed: np.ndarray, target: float,
 ) -> int:  # fmt: skip
-    """How many of the next sequences (heaviest first; their class ``k``, load alone ``own``, and base and shard
-    at the :data:`REACH` classes from theirs) each open a group of their own: the longest run in which no
+    """How many of the next sequences (heaviest first; their class ``k`` and its size, load alone ``own``, and base
+    and shard at the :data:`REACH` classes from theirs) each open a group of their own: the longest run in which no
     sequence could join a group (no group of a reachable class light enough, counting the groups the run opens
     before it) and every one fits the free ranks. The scalar placement would open exactly these groups."""
     top = fixed.size - 1
@@ -161,7 +162,7 @@ def _opening_run(
             at = j == c
             lightest = np.where(at, np.minimum(lightest, run), lightest)
         joinable |= reach & (lightest <= target - base[:, o] - fixed[j])
-    fits = (np.cumsum(np.asarray(mb.sizes)[k]) <= mb.free) & (shards[:, 0] <= mb.cap)  # as the one-by-one opening
+    fits = (np.cumsum(size) <= mb.free) & (shards[:, 0] <= mb.cap)  # as the one-by-one opening
     stop = np.flatnonzero(joinable | ~fits)
     return int(stop[0]) if stop.size else int(k.size)
 
@@ -206,7 +207,9 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
                 break
         if bulk:
             end = min(n, i + _RUN)
-            run = _opening_run(mb, k_arr[i:end], own_a[i:end], base_a[i:end], shards_a[i:end], fixed_a, target)
+            run = _opening_run(
+                mb, k_arr[i:end], need_size[i:end], own_a[i:end], base_a[i:end], shards_a[i:end], fixed_a, target
+            )
             if run:
                 s = slice(i, i + run)
                 mb.open_many(k_l[s], multi_a[s].tolist(), base_a[s, 0].tolist(), net_a[s, 0].tolist(),
@@ -389,17 +392,17 @@ def _deal_block(
     by = np.lexsort((slot, g))
     g, pos, b, n, shard = g[by], pos[by], b[by], n[by], shard[by]
     start = np.r_[0, np.flatnonzero(g[1:] != g[:-1]) + 1]
-    first = np.repeat(start, np.diff(np.r_[start, g.size]))
+    share = np.repeat(np.arange(start.size), np.diff(np.r_[start, g.size]))  # which group's share each entry is in
 
     def running(x: np.ndarray) -> np.ndarray:
         total = np.cumsum(x)
-        return total - np.r_[0, total][first]
+        return total - np.r_[0, total][start[share]]
 
     after = bsum[g] + running(b) + cost.ring_exposure * np.maximum(nsum[g] + running(n), 0.0) + fixed[g]
     fits = (after <= limit) & (held[g] + running(shard) <= cap) & ((size[g] == 1) | (s_len[pos] >= size[g] * tile))
     # keep each group's longest fitting prefix
     bad = np.where(fits, g.size, np.arange(g.size))
-    ok = np.arange(g.size) < np.minimum.reduceat(bad, start)[np.searchsorted(start, np.arange(g.size), "right") - 1]
+    ok = np.arange(g.size) < np.minimum.reduceat(bad, start)[share]
     if not ok.any():
         return False
     g, pos, b, n, shard = g[ok], pos[ok], b[ok], n[ok], shard[ok]
