@@ -106,10 +106,10 @@ class Plan:
         groups = [g for gs in self.microbatches for g in gs]
         n = len(groups)
         mb = np.repeat(np.arange(len(self.microbatches), dtype=np.int64), [len(gs) for gs in self.microbatches])
-        start = np.array([g.ranks[0] for g in groups], dtype=np.int64).reshape(n)
-        u = np.array([g.ulysses for g in groups], dtype=np.int64).reshape(n)
-        r = np.array([g.ring for g in groups], dtype=np.int64).reshape(n)
-        counts = np.array([len(g.seq_ids) for g in groups], dtype=np.int64).reshape(n)
+        start = np.array([g.ranks[0] for g in groups], dtype=np.int64)
+        u = np.array([g.ulysses for g in groups], dtype=np.int64)
+        r = np.array([g.ring for g in groups], dtype=np.int64)
+        counts = np.array([len(g.seq_ids) for g in groups], dtype=np.int64)
         seq = np.fromiter(chain.from_iterable(g.seq_ids for g in groups), dtype=np.int64, count=int(counts.sum()))
         gid = np.repeat(np.arange(n, dtype=np.int64), counts)
         return mb, start, u, r, seq, gid
@@ -175,7 +175,7 @@ class Plan:
     def _valid(self, capacity: int) -> bool:
         """Every invariant at once, vectorised over groups (``False``: look for the first violation)."""
         groups = [g for gs in self.microbatches for g in gs]
-        size = np.array([len(g.ranks) for g in groups], dtype=np.int64).reshape(len(groups))
+        size = np.array([len(g.ranks) for g in groups], dtype=np.int64)
         if size.size == 0 or (size == 0).any():
             return False
         mb, start, u, r, seq, gid = self.flat()
