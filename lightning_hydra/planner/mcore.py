@@ -21,6 +21,7 @@ this baseline are faster than Megatron's own.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -171,10 +172,19 @@ def _finish(
 
 def schedule_mcore(req: PlanRequest) -> Plan:
     """Megatron-Core Dynamic-CP placement; makes as many microbatches as its packing needs."""
+    return _microbatches(req, lambda pending, sizes: _one_microbatch(pending, sizes, req.world_size, req.capacity))
+
+
+_Formed = tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]
+
+
+def _microbatches(req: PlanRequest, one_microbatch: Callable[[list[tuple[int, int]], list[int]], _Formed]) -> Plan:
+    """Megatron's outer loop: microbatches formed by ``one_microbatch(pending, sizes)`` (its groups ``(start, size,
+    ids)`` and the sequences that wait) until no sequence waits."""
     sizes = req.rules.degrees()
     pending = [(i, int(length)) for i, length in enumerate(req.lengths)]
     microbatches: list[list[Group]] = []
     while pending:
-        groups, pending = _one_microbatch(pending, sizes, req.world_size, req.capacity)
+        groups, pending = one_microbatch(pending, sizes)
         microbatches.append([req.group(start, size, ids) for start, size, ids in groups])
     return req.plan(microbatches, "mcore")

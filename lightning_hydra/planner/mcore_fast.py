@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from lightning_hydra.planner.degrees import shard_tokens
-from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish, _min_degree
-from lightning_hydra.planner.plan import Group, Plan
+from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish, _microbatches, _min_degree
+from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
 
 __all__ = ["schedule_mcore_fast"]
@@ -136,11 +136,7 @@ def _one_microbatch(
 
 def schedule_mcore_fast(req: PlanRequest) -> Plan:
     """The plan :func:`~lightning_hydra.planner.mcore.schedule_mcore` makes, without its whole-pool scans."""
-    sizes = req.rules.degrees()
     need = {int(length): _min_degree(int(length), req.capacity) for length in np.unique(req.lengths).tolist()}
-    pending = [(i, int(length)) for i, length in enumerate(req.lengths)]
-    microbatches: list[list[Group]] = []
-    while pending:
-        groups, pending = _one_microbatch(pending, sizes, req.world_size, req.capacity, need)
-        microbatches.append([req.group(start, size, ids) for start, size, ids in groups])
-    return req.plan(microbatches, "mcore")
+    return _microbatches(
+        req, lambda pending, sizes: _one_microbatch(pending, sizes, req.world_size, req.capacity, need)
+    )
