@@ -116,3 +116,6 @@ def test_longest_within_is_the_boundary_of_the_budget(cost: CostModel, ulysses: 
     # nothing fits a budget below the per-sequence overhead; an unbounded budget fits anything
     assert float(model.longest_within(model.seq_overhead / 2, ulysses, ring)) == 0.0
     assert float(model.longest_within(np.inf, ulysses, ring)) == np.inf
+    # the groups' quadratic computed once answers every budget the same way
+    quad, per_token = model.length_quadratic(np.full(3, ulysses), np.full(3, ring))
+    assert np.array_equal(model.longest_under(budget, quad, per_token), longest)

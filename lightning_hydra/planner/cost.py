@@ -206,14 +206,13 @@ class CostModel:
         attn = steps * self.attn * length * length / (u * r * r)
         return comm, attn
 
-    def longest_within(self, budget: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
-        """Longest sequence whose per-rank time on a group of ``ulysses * ring`` ranks stays within ``budget``:
-        compute at the full degree (the tile floor not reached), all-to-all, and the always-exposed ring share, but
-        neither the bin's fixed costs nor the traffic the bin's attention may hide. The root of a quadratic in the
-        length; ``0`` where even a token does not fit.
+    def length_quadratic(self, ulysses: ArrayLike, ring: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """``(quad, per_token)`` of a group of ``ulysses * ring`` ranks: a sequence of length ``L`` adds at least
+        ``quad * L**2 + per_token * L + seq_overhead`` to each rank (compute at the full degree, all-to-all and the
+        always-exposed ring share; what :meth:`longest_within` inverts). Compute it once where many budgets are
+        asked of the same groups.
 
         Args:
-            budget: Seconds the sequence may add to a rank.
             ulysses: Ulysses degree of the group.
             ring: Ring degree of the group.
         """
@@ -227,6 +226,23 @@ class CostModel:
             + np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / d / self.intra_node_bandwidth, 0.0)
             + self.ring_share * np.maximum(r - 1, 0.0) * self.ring_bytes_per_token / d / self.inter_node_bandwidth
         )
+        return quad, per_token
+
+    def longest_within(self, budget: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> ArrayLike:
+        """Longest sequence whose per-rank time on a group of ``ulysses * ring`` ranks stays within ``budget``:
+        compute at the full degree (the tile floor not reached), all-to-all, and the always-exposed ring share, but
+        neither the bin's fixed costs nor the traffic the bin's attention may hide. The root of a quadratic in the
+        length; ``0`` where even a token does not fit.
+
+        Args:
+            budget: Seconds the sequence may add to a rank.
+            ulysses: Ulysses degree of the group.
+            ring: Ring degree of the group.
+        """
+        return self.longest_under(budget, *self.length_quadratic(ulysses, ring))
+
+    def longest_under(self, budget: ArrayLike, quad: np.ndarray, per_token: np.ndarray) -> ArrayLike:
+        """:meth:`longest_within` from the groups' :meth:`length_quadratic` (computed once for many budgets)."""
         spare = np.asarray(budget, dtype=np.float64) - self.seq_overhead
         with np.errstate(divide="ignore", invalid="ignore"):
             root = np.where(

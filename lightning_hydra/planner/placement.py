@@ -311,37 +311,42 @@ def _place_single(
         shard = shard_tokens(s_len[pos], size[g])
         return b, n, shard, after, (after <= limit) & (held[g] + shard <= cap)
 
+    quad, per_token = cost.length_quadratic(ulysses, ring)
+    act = np.arange(gk.size)  # groups that may still take a sequence: one that cannot now never can (see below)
+    head = 0  # sequences before this position (in ``order``) no group can take any more
     for _ in range(_ROUNDS):
-        rem = np.flatnonzero(~taken)
+        rem = head + np.flatnonzero(~taken[head:])
         if rem.size == 0:
             break
         neg_len = -s_len[rem]
         # the first sequence each group can still take: within its slack (exact for one rank, the longest the
-        # quadratic part allows for more), its token room, and past any sequence the exact check refused
-        slack = limit - load - np.where(busy, 0.0, fixed)
-        room = 2 * size * ((cap - held) // 2)
-        first = np.maximum.reduce(
-            [
-                np.searchsorted(neg_len, -cost.longest_within(slack, ulysses, ring), "left"),
-                np.searchsorted(neg_len, -room, "left"),
-                np.searchsorted(rem, lo, "left"),
-            ]
-        )
-        stop = np.where(size == 1, rem.size, np.searchsorted(neg_len, -(size * tile), "right"))
-        open_ = np.flatnonzero(first < stop)
-        if open_.size == 0:
+        # quadratic part allows for more), its token room, and past any sequence the exact check refused; slack,
+        # room and what remains only shrink, and the refusal mark only moves on, so a group that can take nothing
+        # leaves ``act`` for good, and the sequences before the first any group can take are passed for good
+        room = 2 * size[act] * ((cap - held[act]) // 2)
+        first = np.maximum(np.searchsorted(neg_len, -room, "left"), np.searchsorted(rem, lo[act], "left"))
+        if not last:
+            slack = limit - load[act] - np.where(busy[act], 0.0, fixed[act])
+            longest = cost.longest_under(slack, quad[act], per_token[act])
+            first = np.maximum(first, np.searchsorted(neg_len, -longest, "left"))
+        stop = np.where(size[act] == 1, rem.size, np.searchsorted(neg_len, -(size[act] * tile), "right"))
+        open_ = first < stop
+        act, first, stop = act[open_], first[open_], stop[open_]
+        if act.size == 0:
             break
-        open_ = open_[np.lexsort((load[open_], first[open_]))]
-        rank = np.arange(open_.size)
-        idx = rank + np.maximum.accumulate(first[open_] - rank)
-        keep = idx < stop[open_]
-        g, pos = open_[keep], rem[idx[keep]]
+        head = int(rem[first.min()])
+        by = np.lexsort((load[act], first))
+        rank = np.arange(act.size)
+        idx = rank + np.maximum.accumulate(first[by] - rank)
+        keep = idx < stop[by]
+        g, pos, idx, stop_g = act[by][keep], rem[idx[keep]], idx[keep], stop[by][keep]
         if g.size == 0:
             break
         b, n, shard, after, ok = fit(g, pos)
         if not ok.all():  # the estimate was optimistic: bisect each such group to the first sequence it takes
             bad = ~ok
-            gb, left, right = g[bad], idx[keep][bad] + 1, stop[g[bad]]
+            gb, left, right = g[bad], idx[bad] + 1, stop_g[bad]
+            stop_b = right.copy()
             while (left < right).any():
                 mid = (left + right) // 2
                 inside = left < right
@@ -349,7 +354,7 @@ def _place_single(
                 good[inside] = fit(gb[inside], rem[mid[inside]])[4]
                 right = np.where(inside & good, mid, right)
                 left = np.where(inside & ~good, mid + 1, left)
-            lo[gb] = np.where(left < stop[gb], rem[np.minimum(left, rem.size - 1)], order.size)
+            lo[gb] = np.where(left < stop_b, rem[np.minimum(left, rem.size - 1)], order.size)
         g, pos, b, n, shard, after = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok]
         bsum[g] += b
         nsum[g] += n
