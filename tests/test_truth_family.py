@@ -11,7 +11,7 @@ import torch
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.planner import CostModel, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, bin_features, plan_features, predict, relative_error
-from lightning_hydra.planner.robust import Scored, choose, span_of
+from lightning_hydra.planner.robust import Scored, choose, ensemble, span_of, spans_of
 from lightning_hydra.sim import Hardware, ModelShape, bin_time
 from lightning_hydra.sim.family import TRUTHS, truth
 from lightning_hydra.sim.truth import plan_times
@@ -168,6 +168,30 @@ def test_pipeline_plans_are_scored_by_their_1f1b_step_time():
         assert baselines and chosen <= min(baselines) * (1 + 1e-12)  # never predicted worse, pipeline included
     with pytest.raises(ValueError, match="pipeline_stages must be at least 1"):
         schedule(batch, world_size=16, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, pipeline_stages=0)
+
+
+@pytest.mark.parametrize("policy", ["hydra", "mcore", "static"])
+def test_ensemble_spans_from_group_sums_are_each_models_span(policy: str):
+    """:func:`spans_of` (group sums taken once, weighted per model) gives every model's :func:`span_of`, for models
+    of the ensemble and ones that change attention, exposure and the kernel tile."""
+    cost = CostModel.for_transformer(256, 4, 8, flops_per_second=1e12).replace(ring_share=0.1, length_overhead=1e-9)
+    lengths = make_batch("pareto", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=2)
+    plan = schedule(
+        lengths, world_size=32, num_microbatches=4, max_tokens_per_rank=4096, cost=cost, policy=policy, ranks_per_node=4
+    )
+    mb, _, u, r, seq, gid = plan.flat()
+    assert (u > 1).any() and (r > 1).any()  # the batch exercises all-to-all and ring terms
+    models = [
+        *ensemble(cost),
+        cost.replace(attn=0.0),
+        cost.replace(ring_exposure=0.0),
+        cost.replace(min_chunk_tokens=1.0),
+    ]
+    for stages in (1, 3):
+        each = [span_of(c, lengths, mb, u, r, seq, gid, plan.num_microbatches, stages) for c in models]
+        assert spans_of(models, lengths, mb, u, r, seq, gid, plan.num_microbatches, stages) == pytest.approx(
+            each, rel=1e-12
+        )
 
 
 def test_pipelines_get_candidates_whose_microbatches_aim_at_one_maximum():

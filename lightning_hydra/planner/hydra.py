@@ -24,7 +24,7 @@ from lightning_hydra.planner.formation import DegreeSet, Formation, _Tables, for
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
-from lightning_hydra.planner.robust import Scored, choose, ensemble, span_of
+from lightning_hydra.planner.robust import Scored, choose, ensemble, spans_of
 from lightning_hydra.planner.static import static_layout
 
 __all__ = ["CANDIDATES", "MCORE_BUDGET", "candidates", "schedule_hydra"]
@@ -67,7 +67,7 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     models = ensemble(req.cost)
 
     def spans(*flat: np.ndarray | int) -> np.ndarray:
-        return np.array([span_of(c, lengths, *flat, req.pipeline_stages) for c in models])
+        return spans_of(models, lengths, *flat, req.pipeline_stages)
 
     # the Megatron-shaped formation, static and mcore bound hydra's own prediction
     scored = [Scored(f.name, spans(*f.flat()), f.name.endswith("/memory")) for f in formed]

@@ -18,7 +18,7 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 
-__all__ = ["Scored", "choose", "ensemble", "span_of"]
+__all__ = ["Scored", "choose", "ensemble", "span_of", "spans_of"]
 
 
 def ensemble(cost: CostModel) -> list[CostModel]:
@@ -46,6 +46,56 @@ def span_of(
     load, plus, through ``P`` pipeline stages under 1F1B, ``P - 1`` times the largest microbatch (the warm-up and
     cool-down a step cannot hide; equal microbatches of time ``t`` take ``(M + P - 1) t``)."""
     loads = cost.group_loads(lengths[seq], gid, ulysses, ring)
+    return _span(loads, mb, num_microbatches, pipeline_stages)
+
+
+def spans_of(
+    models: list[CostModel], lengths: np.ndarray, mb: np.ndarray, ulysses: np.ndarray, ring: np.ndarray,
+    seq: np.ndarray, gid: np.ndarray, num_microbatches: int, pipeline_stages: int = 1,
+) -> np.ndarray:  # fmt: skip
+    """:func:`span_of` under every model of ``models`` (an :func:`ensemble`): the plan's per-group sums of what
+    the models weigh (compute, all-to-all bytes, ring bytes, hideable attention) are taken once, and each model's
+    group loads are a weighted sum of them. Models with another kernel tile than the first are scored one by one.
+    """
+    lens = np.asarray(lengths, dtype=np.float64)[seq]
+    n = np.asarray(ulysses).size
+    u_g = np.asarray(ulysses, dtype=np.float64)
+    r_g = np.asarray(ring, dtype=np.float64)
+    u, r = u_g[gid], r_g[gid]
+    d = u * r
+    tile = models[0].min_chunk_tokens
+    d_eff = models[0].effective_degree(lens, d)
+    steps = np.maximum(r - 1, 0.0)
+
+    def total(x: np.ndarray) -> np.ndarray:
+        return np.bincount(gid, weights=x, minlength=n)
+
+    quad, lin, count, tokens = total(lens * lens / d_eff), total(lens / d_eff), total(np.ones_like(lens)), total(lens)
+    a2a = total(np.where(u > 1, (lens / d) * (u - 1) / u, 0.0))  # all-to-all bytes per byte-per-token
+    ring_tokens = total(steps * (lens / r) / u)  # ring bytes per byte-per-token
+    hide = total(steps * lens * lens / (u * r * r))  # hideable attention per unit of ``attn``
+    busy = count > 0
+    out = np.empty(len(models))
+    for i, c in enumerate(models):
+        if c.min_chunk_tokens != tile:
+            out[i] = span_of(c, lengths, mb, ulysses, ring, seq, gid, num_microbatches, pipeline_stages)
+            continue
+        traffic = c.ring_bytes_per_token * ring_tokens / c.inter_node_bandwidth
+        loads = (
+            c.attn * quad
+            + c.linear * lin
+            + c.seq_overhead * count
+            + c.length_overhead * tokens
+            + c.a2a_bytes_per_token * a2a / c.intra_node_bandwidth
+            + c.exposed(traffic, c.attn * hide)
+            + c.fixed(u_g, r_g)
+        )
+        out[i] = _span(np.where(busy, loads, 0.0), mb, num_microbatches, pipeline_stages)
+    return out
+
+
+def _span(loads: np.ndarray, mb: np.ndarray, num_microbatches: int, pipeline_stages: int) -> float:
+    """Sum over microbatches of the largest group load, plus ``P - 1`` times the largest microbatch."""
     per_mb = np.zeros(max(num_microbatches, int(mb.max()) + 1 if mb.size else 1))
     np.maximum.at(per_mb, mb, loads)
     return float(per_mb.sum() + (pipeline_stages - 1) * per_mb.max())
