@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lightning_hydra.planner import CostModel, Group, Plan, PlanError
@@ -92,3 +93,16 @@ def test_shard_tokens_scalar_and_vectorised_agree() -> None:
     table = shard_tokens(lengths[None, :], degrees[:, None])
     assert table.dtype == np.int64
     assert table.tolist() == [[shard_tokens(int(n), int(d)) for n in lengths] for d in degrees]
+
+
+def test_stable_argsort_is_numpys_stable_argsort() -> None:
+    from lightning_hydra.planner.order import stable_argsort
+
+    rng = np.random.default_rng(0)
+    for high in (3, 300, 70_000, 1 << 31, 1 << 40):  # one pass, two passes, NumPy's own sort above 32 bits
+        for n in (0, 1, 17, 5000):
+            keys = rng.integers(0, high, n)
+            for dtype in (np.int64, np.uint32) if high < 1 << 32 else (np.int64,):
+                k = keys.astype(dtype)
+                assert np.array_equal(stable_argsort(k), np.argsort(k, kind="stable")), (high, n, dtype)
+    assert np.array_equal(stable_argsort(np.array([2, -1, 2, 0])), [1, 3, 0, 2])  # negative keys: NumPy's sort

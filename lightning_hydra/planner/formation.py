@@ -36,6 +36,7 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
+from lightning_hydra.planner.order import stable_argsort
 from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi, _place_single
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
@@ -118,7 +119,7 @@ class Formation:
         """The :class:`Plan`: groups laid out largest Ulysses degree first, then largest size, so that every group
         is contiguous and every Ulysses block stays inside a node; idle ranks fill the rest."""
         ds = self.degrees
-        order = np.lexsort((self.gid,))
+        order = stable_argsort(self.gid)
         seq = self.seq[order]
         counts = np.bincount(self.gid, minlength=self.group_mb.size)
         bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
@@ -266,7 +267,8 @@ def form(
     """
     tab = tables if tables is not None else _Tables(req, ds)
     asked = req.num_microbatches
-    remaining = np.argsort(-tab.cost_min, kind="stable")
+    by_length = req.longest_first  # heaviest first is nearly longest first: the sort below merges few runs
+    remaining = by_length[np.argsort(-tab.cost_min[by_length], kind="stable")]
     formed: list[_Formed] = []
     while remaining.size:
         m = len(formed)

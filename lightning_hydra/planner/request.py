@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import DegreeRules
+from lightning_hydra.planner.order import stable_argsort
 from lightning_hydra.planner.plan import Group, Plan, PlanError
 
 __all__ = ["PlanRequest"]
@@ -41,6 +43,12 @@ class PlanRequest:
     def world_size(self) -> int:
         """Ranks in the pool."""
         return self.rules.world_size
+
+    @cached_property
+    def longest_first(self) -> np.ndarray:
+        """Indices of the sequences, longest first (ties in index order): ``np.argsort(-lengths, kind="stable")``,
+        computed once per request in linear time."""
+        return stable_argsort(self.lengths.max() - self.lengths) if self.lengths.size else np.zeros(0, np.int64)
 
     def group(self, start: int, size: int, seq_ids: list[int] | tuple[int, ...] = ()) -> Group:
         """A contiguous group of ``size`` ranks from ``start``, factored into Ulysses x ring."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_hydra.planner.degrees import shard_tokens
+from lightning_hydra.planner.order import stable_argsort
 from lightning_hydra.planner.plan import Group, Plan, PlanError
 from lightning_hydra.planner.request import PlanRequest
 
@@ -72,7 +73,7 @@ def static_layout(req: PlanRequest) -> StaticLayout:
     if degree is None:
         raise PlanError(f"the longest allowed sequence ({longest} tokens) fits no degree of the pool")
     groups_per_mb = req.world_size // degree
-    order = np.argsort(-req.lengths, kind="stable")
+    order = req.longest_first
     need = shard_tokens(req.lengths[order], np.asarray(degree))
     held = np.zeros(req.num_microbatches * groups_per_mb, dtype=np.int64)
     where = np.full(order.size, -1, dtype=np.int64)
@@ -94,7 +95,7 @@ def static_layout(req: PlanRequest) -> StaticLayout:
         tokens, b = heapq.heappop(heap)
         where[k] = b
         heapq.heappush(heap, (tokens + int(need[k]), b))
-    placed = np.argsort(where, kind="stable")
+    placed = stable_argsort(where)
     factors = req.rules.factor(degree)
     if factors is None:  # pragma: no cover - memory_min returns allowed (factored) degrees only
         raise PlanError(f"static degree {degree} cannot be split into ulysses x ring")
