@@ -258,8 +258,9 @@ def test_bad_input_gets_a_clear_error(kwargs: dict, error: type, match: str, pol
 def test_bulk_openings_make_the_one_by_one_placement(
     world: int, context: int, capacity: int, cost: CostModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Runs of multi-rank sequences opened in bulk give exactly the plan of placing them one by one (at 32K a run
-    that opened every sequence the free ranks hold would change both batches' plans)."""
+    """Runs of multi-rank sequences opened in bulk, and runs of misses waiting in bulk, give exactly the plan of
+    placing them one by one (at 32K a run that opened every sequence the free ranks hold would change both batches'
+    plans; so would runs of misses that ignored the free ranks, or that did not count towards giving up)."""
     from lightning_hydra.planner import placement
 
     for distribution in ("lognormal", "pareto"):
@@ -270,8 +271,48 @@ def test_bulk_openings_make_the_one_by_one_placement(
         bulk = _run(lengths, "hydra", cost, **kw)
         with monkeypatch.context() as patch:
             patch.setattr(placement, "_RUN", 0)  # no run is ever found: every sequence goes the one-by-one way
+            patch.setattr(placement, "_MISS_RUN", 0)
             single = _run(lengths, "hydra", cost, **kw)
         assert bulk.stats == single.stats and bulk.digest() == single.digest(), distribution
+
+
+@pytest.mark.parametrize(
+    ("world", "kdeg", "base", "net", "expected"),
+    [
+        # a join lightens a group (the newcomer's attention hides ring traffic the group exposed): 0 opens the
+        # group (load 5 + 3 = 8), 1 and 2 miss (3 + 8 > 10), 3 joins (base 6, net 0: load 6), then 4 fits (9.5)
+        (4, [2, 2, 2, 2, 2], [5.0, 3.0, 3.0, 1.0, 3.5], [3.0, 0.0, 0.0, -3.0, 0.0], ([1, 2], [[0, 3, 4]])),
+        # a group opens: 0 takes 4 of the 6 ranks, 1 misses, 2 opens a group of 2, which 3 (too long for one rank)
+        # joins
+        (6, [2, 2, 1, 0], [8.0, 5.0, 4.0, 3.0], [0.0, 0.0, 0.0, 0.0], ([1], [[0], [2, 3]])),
+    ],
+)
+def test_groups_that_open_or_lighten_end_a_run_of_misses(
+    world: int, kdeg: list[int], base: list[float], net: list[float], expected: tuple, cost: CostModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A sequence the last look for misses found no place for may fit a group that opened or got lighter since: it
+    is placed as one by one (classes of 1, 2 and 4 ranks, level 10, no fixed cost, capacity 100)."""
+    from types import SimpleNamespace
+
+    from lightning_hydra.planner import placement
+
+    n = len(kdeg)
+    shards = np.ones((3, n), dtype=np.int64)
+    shards[0, -1] = 200  # the last sequence does not fit one rank
+    b, nt = np.tile(base, (3, 1)), np.tile(net, (3, 1))
+    tab = SimpleNamespace(
+        fixed=np.zeros(3), multi=np.arange(n), base=b, net=nt, cost=b + np.maximum(nt, 0), shards=shards
+    )
+    ds = DegreeSet(sizes=np.array([1, 2, 4]), ulysses=np.array([1, 2, 4]), ring=np.ones(3, dtype=np.int64), name="pow2")
+
+    def place(miss_run: int) -> tuple[list[int], list[list[int]]]:
+        monkeypatch.setattr(placement, "_MISS_RUN", miss_run)
+        mb = placement._Microbatch(tab, ds, cost.replace(ring_exposure=1.0), world, 100)
+        return placement._place_multi(mb, np.arange(n), np.asarray(kdeg), 10.0, last=False), mb.members
+
+    monkeypatch.setattr(placement, "_LOOK_AFTER", 1)  # look after the first miss: it finds the last sequence a miss
+    assert place(64) == place(0) == expected
 
 
 def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostModel) -> None:

@@ -2,8 +2,9 @@
 
 Multi-rank sequences are placed heaviest first, each into the most loaded group within the level that has room
 (best fit) or a new group of its own class; runs that can only open groups of their own are opened in bulk, with
-exactly the groups the one-by-one placement would open. Single-rank sequences are then dealt in vectorised rounds:
-every group takes the longest remaining sequence that fits its slack, its token room and the kernel tile.
+exactly the groups the one-by-one placement would open, and runs that certainly find no place wait in bulk.
+Single-rank sequences are then dealt in vectorised rounds: every group takes the longest remaining sequence that
+fits its slack, its token room and the kernel tile.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ _RUN = 256
 """Sequences looked at for one run of group openings (:func:`_opening_run`)."""
 _COOLDOWN = 16
 """Scalar openings after a look for a run that found none, before the next look."""
+_MISS_RUN = 64
+"""Sequences looked at for runs of misses (:func:`_certain_misses`) at a time (0: never look)."""
+_LOOK_AFTER = 2
+"""Consecutive misses placed one by one before a look for runs of misses (a look costs about five of them)."""
 _BIG = 1 << 62
 """A group number above any (the upper end of a bisection over ``(load, group)`` pairs)."""
 
@@ -167,12 +172,27 @@ def _opening_run(
     return int(stop[0]) if stop.size else int(k.size)
 
 
+def _certain_misses(
+    mb: _Microbatch, rows: np.ndarray, bounds: np.ndarray, size: np.ndarray, alone: np.ndarray
+) -> np.ndarray:
+    """Which of the next sequences certainly find no place as the groups stand: in every class ``rows`` they may join,
+    the lightest group is heavier than their ``bounds`` (the one-by-one best fit looks only at groups at or below
+    it; ``-inf`` where they may not join), and they cannot open a group of their own (``size`` ranks are more than
+    are free, or their shard alone exceeds the capacity). A miss stays one while no group opens or gets lighter:
+    joins only fill groups and free ranks only shrink."""
+    return (mb.min_loads(len(mb.sizes))[rows] > bounds).all(axis=1) & ((size > mb.free) | alone)
+
+
 def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: float, last: bool) -> list[int]:
     """Place multi-rank sequences (columns of the tables, heaviest first); return the ones that wait.
 
     After :data:`_GIVE_UP` consecutive misses (outside the last microbatch) only sequences whose own class still
     fits the free ranks are tried; the rest wait without a look (the free ranks only shrink until a placement).
     Runs of sequences that each open a group of their own are found and opened in bulk (:func:`_opening_run`).
+    After :data:`_LOOK_AFTER` consecutive misses placed one by one, the certain misses among the next
+    :data:`_MISS_RUN` sequences are found at once (:func:`_certain_misses`; again at such a miss once a group was
+    joined, as joins only add misses); while no group opens or gets lighter, each run of them waits at once,
+    counted as that many misses (the one-by-one placement would wait or skip each of them).
     """
     tab = mb.tab
     if seqs.size == 0:
@@ -196,6 +216,11 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
     misses = 0
     bulk = True  # look for a run of openings (at the start, and after an opening unless the last look found none)
     cooldown = 0  # openings to wait before the next look, after a look that found no run
+    bounds = alone = None  # per sequence: the load a group may have to take it, at each class; whether it can open
+    ahead: list[int] = []  # the next sequence that may find a place, from each that the last look for misses covers
+    at = upto = 0  # the sequences it covers
+    missed = 0  # consecutive misses placed one by one
+    joined = False  # whether a group was joined since that look (sequences it found placeable may miss now)
     i, n = 0, len(seqs_l)
     while i < n:
         if misses >= _GIVE_UP and not last:  # skip what cannot open a group of its own
@@ -216,8 +241,22 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
                              shards_a[s, 0].tolist(), own_a[s].tolist())  # fmt: skip
                 misses = 0
                 i += run
+                upto = 0  # the new groups may take what missed
                 continue
             bulk, cooldown = False, _COOLDOWN
+        if missed >= _LOOK_AFTER and (i >= upto or joined) and not last and _MISS_RUN:
+            if bounds is None:
+                reach = (k_arr[:, None] + np.arange(REACH + 1) <= top) & (shards_a <= cap)
+                bounds = np.where(reach, target - base_a - fixed_a[rows], -np.inf)
+                alone = shards_a[:, 0] > cap
+            at, upto, joined = i, min(n, i + _MISS_RUN), False
+            miss = _certain_misses(mb, rows[at:upto], bounds[at:upto], need_size[at:upto], alone[at:upto])
+            ahead = np.minimum.accumulate(np.where(miss, upto, np.arange(at, upto))[::-1])[::-1].tolist()
+        if i < upto and (nxt := ahead[i - at]) > i:  # a run of misses: each waits, as one by one
+            wait.extend(seqs_l[i:nxt])
+            misses += nxt - i
+            i = nxt
+            continue
         t, c = i, seqs_l[i]
         i += 1
         k = k_l[t]
@@ -241,7 +280,7 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
                 break
         if choice == -1 and mb.free >= sizes[k] and sh[0] <= cap:  # a new group of its own class on free ranks
             mb.open(k, int(multi_a[t]), bs[0], nt[0], sh[0], float(own_a[t]))
-            misses = 0
+            misses = missed = upto = 0  # the new group may take what missed
             cooldown -= 1
             bulk = cooldown <= 0
             continue
@@ -260,9 +299,13 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
         if choice == -1:
             wait.append(c)
             misses += 1
+            missed += 1
             continue
-        misses = 0
+        misses = missed = 0
+        before, joined = load[choice], True
         mb.put(choice, int(multi_a[t]), bs[col], nt[col], sh[col], fixed[cls])
+        if load[choice] < before:  # lighter (a negative net): what missed may fit now
+            upto = 0
     return wait
 
 
