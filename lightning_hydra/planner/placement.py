@@ -69,7 +69,17 @@ class _Microbatch:
 
     def open(self, j: int, seq: int, base: float, net: float, shard: int, load: float) -> None:
         """A new group of class ``j`` on free ranks, holding ``seq`` (its load computed by the caller)."""
-        self.open_many([j], [seq], [base], [net], [shard], [load])
+        g = len(self.gk)
+        self.gk.append(j)
+        self.load.append(load)
+        self.bsum.append(base)
+        self.nsum.append(net)
+        self.held.append(shard)
+        self.members.append([seq])
+        self.free -= self.sizes[j]
+        bisect.insort(self.ordered.setdefault(j, []), (load, g))
+        if j in self.heaps:
+            heapq.heappush(self.heaps[j], (load, g))
 
     def open_many(
         self, classes: list[int], seqs: list[int], base: list[float], net: list[float], shards: list[int],
