@@ -350,8 +350,10 @@ def _place_single(
     # sequences longest first
     order = np.argsort(-lens[seqs], kind="stable")
     s_len = lens[seqs][order]
+    neg_all = -s_len.astype(np.float64)  # every bound below is a float: compare in one dtype
     limit = np.inf if last else target
     tile = 0.0 if last else max(cost.min_chunk_tokens, 1.0)
+    tiles = np.where(ds.sizes == 1, np.inf, -(ds.sizes * tile))  # per class: its shortest sequence, negated
     cap = mb.cap
     taken = np.zeros(order.size, dtype=bool)
     lo = np.zeros(gk.size, dtype=np.int64)  # per group: first position (in ``order``) it may still take
@@ -371,18 +373,21 @@ def _place_single(
         rem = head + np.flatnonzero(~taken[head:])
         if rem.size == 0:
             break
-        neg_len = -s_len[rem]
+        neg_len = neg_all[rem]
         # the first sequence each group can still take: within its slack (exact for one rank, the longest the
-        # quadratic part allows for more), its token room, and past any sequence the exact check refused; slack,
+        # quadratic part allows for more) and its token room, and past any sequence the exact check refused; slack,
         # room and what remains only shrink, and the refusal mark only moves on, so a group that can take nothing
         # leaves ``act`` for good, and the sequences before the first any group can take are passed for good
-        room = 2 * size[act] * ((cap - held[act]) // 2)
-        first = np.maximum(np.searchsorted(neg_len, -room, "left"), np.searchsorted(rem, lo[act], "left"))
+        longest = 2 * size[act] * ((cap - held[act]) // 2)  # the token room
         if not last:
             slack = limit - load[act] - np.where(busy[act], 0.0, fixed[act])
-            longest = cost.longest_under(slack, quad[act], per_token[act])
-            first = np.maximum(first, np.searchsorted(neg_len, -longest, "left"))
-        stop = np.where(size[act] == 1, rem.size, np.searchsorted(neg_len, -(size[act] * tile), "right"))
+            longest = np.minimum(longest, cost.longest_under(slack, quad[act], per_token[act]))
+        first = np.searchsorted(neg_len, -longest, "left")
+        refused = np.flatnonzero(lo[act])
+        if refused.size:
+            first[refused] = np.maximum(first[refused], np.searchsorted(rem, lo[act[refused]], "left"))
+        # the tile: a group of ``d`` ranks takes nothing shorter than ``d`` tiles (per class, then per group)
+        stop = np.searchsorted(neg_len, tiles, "right")[gk[act]]
         open_ = first < stop
         act, first, stop = act[open_], first[open_], stop[open_]
         if act.size == 0:
