@@ -294,13 +294,17 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
             cooldown -= 1
             bulk = cooldown <= 0
             continue
-        if choice == -1 and last:
+        if choice == -1 and last:  # the least loaded group with room at any class from its own up
             best = None
+            costs, needs = cost_tab[k:, c].tolist(), tab.shards[k:, c].tolist()
             for j in range(k, top + 1):
-                need = int(tab.shards[j, c])
-                g = mb.least(j, need) if need <= cap else None
-                if g is not None and (best is None or load[g] + cost_tab[j, c] < best[0]):
-                    best = (load[g] + float(cost_tab[j, c]), g, j)
+                order = ordered.get(j)
+                # the class's lightest group bounds what it can offer: skip it when that cannot beat the best
+                if not order or (best is not None and order[0][0] + costs[j - k] >= best[0]) or needs[j - k] > cap:
+                    continue
+                g = mb.least(j, needs[j - k])
+                if g is not None and (best is None or load[g] + costs[j - k] < best[0]):
+                    best = (load[g] + costs[j - k], g, j)
             if best is not None:
                 g, j = best[1], best[2]
                 mb.put(g, int(multi_a[t]), float(tab.base[j, c]), float(tab.net[j, c]), int(tab.shards[j, c]), fixed[j])
