@@ -315,6 +315,24 @@ def test_groups_that_open_or_lighten_end_a_run_of_misses(
     assert place(64) == place(0) == expected
 
 
+def test_a_group_a_newcomer_makes_lighter_takes_what_it_passed() -> None:
+    """With more ring traffic exposed than there is (``ring_exposure`` 3), a sequence whose attention hides more
+    than its traffic makes its group lighter: the single-rank dealing then looks again at sequences it had passed
+    as too long (here: 2,000 tokens join first, after which 2,300 fit)."""
+    from lightning_hydra.planner.placement import _Microbatch, _place_single
+
+    cost = CostModel(
+        attn=1.0, linear=0.0, ring_bytes_per_token=100.0, inter_node_bandwidth=1.0, ring_exposure=3.0,
+        min_chunk_tokens=1.0,
+    )  # fmt: skip
+    ds = DegreeSet.build(DegreeRules(world_size=2, ranks_per_node=1, num_heads=32), "pow2")
+    mb = _Microbatch(None, ds, cost, 2, 10**6)  # type: ignore[arg-type]
+    mb.open(1, 0, 0.0, 1e6, 0, 3e6)  # a ring group of 2 ranks whose bin exposes ring traffic
+    waiting = _place_single(mb, cost, np.array([1, 2300, 2000]), np.array([1, 2]), 5.2e6, False)
+    assert waiting.size == 0 and sorted(mb.single_seq.tolist()) == [1, 2]
+    assert mb.loads[0] <= 5.2e6
+
+
 def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostModel) -> None:
     lengths = make_batch("stdlib", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=4)
     kw = {"world": 64, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}

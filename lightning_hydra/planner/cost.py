@@ -207,10 +207,10 @@ class CostModel:
         return comm, attn
 
     def length_quadratic(self, ulysses: ArrayLike, ring: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
-        """``(quad, per_token)`` of a group of ``ulysses * ring`` ranks: a sequence of length ``L`` adds at least
-        ``quad * L**2 + per_token * L + seq_overhead`` to each rank (compute at the full degree, all-to-all and the
-        always-exposed ring share; what :meth:`longest_within` inverts). Compute it once where many budgets are
-        asked of the same groups.
+        """``(quad, per_token)`` of a group of ``ulysses * ring`` ranks: alone on the group, a sequence of length ``L``
+        takes at least ``quad * L**2 + per_token * L + seq_overhead`` of each rank (compute at the full degree, the
+        all-to-all and the always-exposed ring share; in a bin, ring traffic its attention hides may make it add
+        less). What :meth:`longest_within` inverts; compute it once where many budgets are asked of the same groups.
 
         Args:
             ulysses: Ulysses degree of the group.

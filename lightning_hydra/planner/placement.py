@@ -379,9 +379,11 @@ def _place_single(
             break
         neg_len = neg_all[rem]
         # the first sequence each group can still take: within its slack (exact for one rank, the longest the
-        # quadratic part allows for more) and its token room, and past any sequence the exact check refused; slack,
-        # room and what remains only shrink, and the refusal mark only moves on, so a group that can take nothing
-        # leaves ``act`` for good, and the sequences before the first any group can take are passed for good
+        # quadratic part allows for more) and its token room, and past any sequence the exact check refused. A
+        # group's room and what remains only shrink and the refusal mark only moves on, so a group that can take
+        # nothing leaves ``act`` for good (its state is frozen from then on); slack shrinks too unless a newcomer's
+        # net ring time is negative, which lowers a load: the sequences before the first any group can take are
+        # passed (``head``) until that happens
         longest = 2 * size[act] * ((cap - held[act]) // 2)  # the token room
         if not last:
             slack = limit - load[act] - np.where(busy[act], 0.0, fixed[act])
@@ -421,6 +423,8 @@ def _place_single(
         bsum[g] += b
         nsum[g] += n
         held[g] += shard
+        if (after < load[g]).any():  # a newcomer's hidden ring traffic made a group lighter: it may now take
+            head = 0  # sequences passed for good above (``act`` stays: a group it left took nothing since)
         load[g] = after
         busy[g] = True
         taken[pos] = True
