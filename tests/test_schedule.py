@@ -333,6 +333,19 @@ def test_a_group_a_newcomer_makes_lighter_takes_what_it_passed() -> None:
     assert mb.loads[0] <= 5.2e6
 
 
+@pytest.mark.parametrize("policy", ["mcore", "hydra"])
+@pytest.mark.parametrize("world", [5, 6, 7])
+def test_pools_that_are_not_a_power_of_two_get_a_plan(policy: str, world: int, cost: CostModel) -> None:
+    """Megatron's fill doubles a group and shifts the groups after it: in a pool that is not a power of two the
+    shifted groups must stay inside it (was a NumPy broadcast error)."""
+    lengths = [16384, 8191, 12287, 8192, 8192, 8193, 8193]
+    plan = schedule(
+        lengths, world_size=world, num_microbatches=6, max_tokens_per_rank=4096, cost=cost, policy=policy,
+        ranks_per_node=1, num_heads=32, num_kv_heads=8,
+    )  # fmt: skip
+    plan.check(lengths, 4096)
+
+
 def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostModel) -> None:
     lengths = make_batch("stdlib", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=4)
     kw = {"world": 64, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}

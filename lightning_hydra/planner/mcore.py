@@ -95,7 +95,9 @@ def _fill_once(mb: _MB, sizes: list[int], world_size: int) -> bool:
         if size != smallest:
             continue
         end = mb.starts[g] + size - 1
-        if end + 1 > mb.next_free or end + grow >= world_size:
+        # the groups after it shift by ``grow``: every one must stay inside the pool (only a pool that is not a
+        # power of two can run out, and then the next candidate or the whole-pool group is taken)
+        if end + 1 > mb.next_free or mb.next_free + grow > world_size:
             continue
         new_size = sizes[k + 1]
         shifted = mb.exec[end + 1 : mb.next_free].copy()
