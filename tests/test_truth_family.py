@@ -144,6 +144,14 @@ def test_choice_is_the_smallest_worst_regret_never_worse_than_a_baseline():
     # the baseline bounds the planner's own prediction: "too-slow" is never chosen even when the rest is worse
     pick, _ = choose([scored[2], Scored("baseline", np.array([1.10, 1.90, 1.90]), True)])
     assert pick == 1
+    # regrets and spans equal up to rounding are ties: the smaller predicted span, then the earlier candidate,
+    # whichever side of the last bits the rounding fell
+    for eps in (1e-15, -1e-15):
+        tied = [
+            Scored("first", np.array([1.0, 1.1 * (1 + eps), 1.0]), False),
+            Scored("second", np.array([1.0 * (1 + eps), 1.1, 1.0]), True),
+        ]
+        assert choose(tied)[0] == 0
 
 
 def test_pipeline_plans_are_scored_by_their_1f1b_step_time():

@@ -18,7 +18,10 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 
-__all__ = ["Scored", "choose", "ensemble", "span_of", "spans_of"]
+__all__ = ["TIE", "Scored", "choose", "ensemble", "span_of", "spans_of"]
+
+TIE = 1e-12
+"""Relative difference below which two spans or regrets count as equal (rounding, not a difference of plans)."""
 
 
 def ensemble(cost: CostModel) -> list[CostModel]:
@@ -115,7 +118,8 @@ class Scored:
 
 def choose(scored: list[Scored]) -> tuple[int, dict[str, float]]:
     """Index of the candidate with the smallest worst-case regret among those the planner's model predicts no
-    worse than every baseline (ties: the smaller predicted span), and the regrets.
+    worse than every baseline (ties within :data:`TIE`: the smaller predicted span, then the earlier candidate),
+    and the regrets.
 
     Args:
         scored: Every candidate with its spans.
@@ -124,7 +128,11 @@ def choose(scored: list[Scored]) -> tuple[int, dict[str, float]]:
     best = spans.min(axis=0)
     regret = (spans / np.where(best > 0, best, 1.0)).max(axis=1)
     bound = min((s.spans[0] for s in scored if s.baseline), default=np.inf)
-    feasible = spans[:, 0] <= bound * (1 + 1e-12)
+    feasible = spans[:, 0] <= bound * (1 + TIE)
     key = np.where(feasible, regret, np.inf)
-    pick = int(np.lexsort((spans[:, 0], key))[0])
+    # ties within rounding (the spans of equal plans may differ in the last bits): the smaller predicted span, then
+    # the earlier candidate
+    tied = key <= key.min() * (1 + TIE)
+    own = np.where(tied, spans[:, 0], np.inf)
+    pick = int(np.flatnonzero(own <= own.min() * (1 + TIE))[0])
     return pick, {s.name: float(r) for s, r in zip(scored, regret, strict=True)}
