@@ -106,3 +106,6 @@ def test_stable_argsort_is_numpys_stable_argsort() -> None:
                 k = keys.astype(dtype)
                 assert np.array_equal(stable_argsort(k), np.argsort(k, kind="stable")), (high, n, dtype)
     assert np.array_equal(stable_argsort(np.array([2, -1, 2, 0])), [1, 3, 0, 2])  # negative keys: NumPy's sort
+    for dtype in (np.int8, np.uint8, np.int16, np.uint16, np.bool_):  # short keys: NumPy's own (radix) sort
+        k = rng.integers(0, 2, 300).astype(dtype)
+        assert np.array_equal(stable_argsort(k), np.argsort(k, kind="stable")), dtype

@@ -264,7 +264,9 @@ def form(
     """
     tab = tables if tables is not None else _Tables(req, ds)
     asked = req.num_microbatches
-    by_length = req.longest_first  # heaviest first is nearly longest first: the sort below merges few runs
+    # heaviest first, sorted from the longest-first order (it is nearly that: the sort merges a few runs); equal
+    # costs of different lengths (possible only without attention cost) keep the longer first
+    by_length = req.longest_first
     remaining = by_length[np.argsort(-tab.cost_min[by_length], kind="stable")]
     formed: list[_Formed] = []
     while remaining.size:

@@ -18,7 +18,7 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
         keys: One-dimensional integer array.
     """
     keys = np.asarray(keys)
-    if keys.size == 0 or keys.dtype.kind not in "iu":
+    if keys.size == 0 or keys.dtype.kind not in "iu" or keys.dtype.itemsize <= 2:  # NumPy's own radix already
         return np.argsort(keys, kind="stable")
     lo, hi = int(keys.min()), int(keys.max())
     if lo < 0 or hi >= 1 << 32:

@@ -48,7 +48,9 @@ class PlanRequest:
     def longest_first(self) -> np.ndarray:
         """Indices of the sequences, longest first (ties in index order): ``np.argsort(-lengths, kind="stable")``,
         computed once per request in linear time."""
-        return stable_argsort(self.lengths.max() - self.lengths) if self.lengths.size else np.zeros(0, np.int64)
+        order = stable_argsort(self.lengths.max() - self.lengths) if self.lengths.size else np.zeros(0, np.int64)
+        order.setflags(write=False)  # shared by every policy and candidate of the request
+        return order
 
     def group(self, start: int, size: int, seq_ids: list[int] | tuple[int, ...] = ()) -> Group:
         """A contiguous group of ``size`` ranks from ``start``, factored into Ulysses x ring."""
