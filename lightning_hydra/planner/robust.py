@@ -56,7 +56,8 @@ def spans_of(
     models: list[CostModel], lengths: np.ndarray, mb: np.ndarray, ulysses: np.ndarray, ring: np.ndarray,
     seq: np.ndarray, gid: np.ndarray, num_microbatches: int, pipeline_stages: int = 1,
 ) -> np.ndarray:  # fmt: skip
-    """:func:`span_of` under every model of ``models`` (an :func:`ensemble`): the plan's per-group sums of what
+    """:func:`span_of` under every model of ``models`` (an :func:`ensemble`; equal up to rounding, which
+    :func:`choose` treats as a tie): the plan's per-group sums of what
     the models weigh (compute, all-to-all bytes, ring bytes, hideable attention) are taken once, and each model's
     group loads are a weighted sum of them. Models with another kernel tile than the first are scored one by one.
     """
