@@ -264,10 +264,14 @@ def form(
     """
     tab = tables if tables is not None else _Tables(req, ds)
     asked = req.num_microbatches
-    # heaviest first, sorted from the longest-first order (it is nearly that: the sort merges a few runs); equal
-    # costs of different lengths (possible only without attention cost) keep the longer first
+    # heaviest first (ties in index order), sorted from the longest-first order: it is nearly that, so the sort
+    # merges a few runs; equal costs of different lengths (possible only without attention cost) would come out
+    # longest first instead, so then the batch's own order is sorted
     by_length = req.longest_first
     remaining = by_length[np.argsort(-tab.cost_min[by_length], kind="stable")]
+    cost_sorted = tab.cost_min[remaining]
+    if ((cost_sorted[1:] == cost_sorted[:-1]) & (req.lengths[remaining[1:]] != req.lengths[remaining[:-1]])).any():
+        remaining = np.argsort(-tab.cost_min, kind="stable")
     formed: list[_Formed] = []
     while remaining.size:
         m = len(formed)
