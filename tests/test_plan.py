@@ -109,3 +109,14 @@ def test_stable_argsort_is_numpys_stable_argsort() -> None:
     for dtype in (np.int8, np.uint8, np.int16, np.uint16, np.bool_):  # short keys: NumPy's own (radix) sort
         k = rng.integers(0, 2, 300).astype(dtype)
         assert np.array_equal(stable_argsort(k), np.argsort(k, kind="stable")), dtype
+
+
+def test_descending_order_is_numpys_stable_descending_argsort() -> None:
+    from lightning_hydra.planner.order import descending_order
+
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 2, 9, 4000):
+        for values in (rng.integers(0, 5, n), rng.random(n), -np.sort(-rng.integers(0, 5, n)), np.sort(rng.random(n))):
+            expected = np.argsort(-values, kind="stable")
+            assert np.array_equal(descending_order(values), expected), (n, values[:5])
+    assert descending_order(np.array([3.0, 3.0, 1.0, 1.0])).tolist() == [0, 1, 2, 3]  # sorted, ties: the identity

@@ -36,7 +36,7 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
-from lightning_hydra.planner.order import stable_argsort
+from lightning_hydra.planner.order import descending_order, stable_argsort
 from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi, _place_single
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
@@ -227,7 +227,7 @@ def _microbatch(
     if raise_degrees and tallest > level * (1 + 1e-9):
         kdeg = tab.classes_at(tallest, raise_degrees)
     level = max(level, tallest)
-    multi_cols = multi_cols[np.argsort(-tab.cost[kdeg[multi_cols], multi_cols], kind="stable")]  # heaviest first
+    multi_cols = multi_cols[descending_order(tab.cost[kdeg[multi_cols], multi_cols])]  # heaviest first
     mb = _Microbatch(tab, ds, cost, n_ranks, cap)
     wait_multi = _place_multi(mb, multi_cols, kdeg, level, last)
     wait_single = _place_single(mb, cost, req.lengths, single, level, last)
@@ -240,9 +240,7 @@ def _microbatch(
     used, gid = np.unique(gid, return_inverse=True)  # groups without sequences are dropped (their ranks idle)
     top = float(mb.loads[used].max()) if used.size else 0.0
     waiting = np.concatenate([tab.multi[np.asarray(wait_multi, dtype=np.int64)], wait_single])
-    return _Formed(mb.classes[used], seq, gid.reshape(-1), top), waiting[
-        np.argsort(-tab.cost_min[waiting], kind="stable")
-    ]
+    return _Formed(mb.classes[used], seq, gid.reshape(-1), top), waiting[descending_order(tab.cost_min[waiting])]
 
 
 def form(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["stable_argsort"]
+__all__ = ["descending_order", "stable_argsort"]
 
 
 def stable_argsort(keys: np.ndarray) -> np.ndarray:
@@ -27,3 +27,16 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
     if hi >= 1 << 16:
         order = order[np.argsort((keys[order] >> 16).astype(np.uint16), kind="stable")]
     return order
+
+
+def descending_order(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(-values, kind="stable")``: largest first, ties in index order; one pass (the identity) when
+    ``values`` are already non-increasing, as the planner's heaviest-first lists mostly are.
+
+    Args:
+        values: One-dimensional array of numbers (no NaN).
+    """
+    values = np.asarray(values)
+    if values.size < 2 or bool((values[1:] <= values[:-1]).all()):
+        return np.arange(values.size)
+    return np.argsort(-values, kind="stable")

@@ -17,6 +17,7 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import shard_tokens
+from lightning_hydra.planner.order import descending_order
 
 if TYPE_CHECKING:
     from lightning_hydra.planner.formation import DegreeSet, _Tables
@@ -160,22 +161,22 @@ def _opening_run(
     and shard at the :data:`REACH` classes from theirs) each open a group of their own: the longest run in which no
     sequence could join a group (no group of a reachable class light enough, counting the groups the run opens
     before it) and every one fits the free ranks. The scalar placement would open exactly these groups."""
-    top = fixed.size - 1
+    top, n = fixed.size - 1, k.size
     mins = mb.min_loads(top + 1)
-    present = np.unique(k)
-    before = {}  # per class of the run: the lightest group the run opens before each sequence
-    for j in present.tolist():
-        run = np.minimum.accumulate(np.where(k == j, own, np.inf))
-        before[j] = np.concatenate([[np.inf], run[:-1]])
-    joinable = np.zeros(k.size, dtype=bool)
+    # per class present in the run (a row each, then a row of inf for the others): the lightest group the run opens
+    # before each sequence, an exclusive running minimum of the loads alone of the run's sequences of that class
+    present = np.flatnonzero(np.bincount(k, minlength=top + 1))
+    before = np.full((present.size + 1, n), np.inf)
+    np.minimum.accumulate(np.where(k == present[:, None], own, np.inf)[:, :-1], axis=1, out=before[:-1, 1:])
+    row = np.full(top + 1, present.size, dtype=np.int64)
+    row[present] = np.arange(present.size)
+    cols = np.arange(n)
+    joinable = np.zeros(n, dtype=bool)
     for o in range(REACH + 1):
         j = k + o
         reach = (j <= top) & (shards[:, o] <= mb.cap)
         j = np.minimum(j, top)
-        lightest = mins[j]
-        for c, run in before.items():
-            at = j == c
-            lightest = np.where(at, np.minimum(lightest, run), lightest)
+        lightest = np.minimum(mins[j], before[row[j], cols])
         joinable |= reach & (lightest <= target - base[:, o] - fixed[j])
     fits = (np.cumsum(size) <= mb.free) & (shards[:, 0] <= mb.cap)  # as the one-by-one opening
     stop = np.flatnonzero(joinable | ~fits)
@@ -352,7 +353,7 @@ def _place_single(
     fixed = cost.fixed(ulysses, ring)
     exposure = cost.ring_exposure
     # sequences longest first
-    order = np.argsort(-lens[seqs], kind="stable")
+    order = descending_order(lens[seqs])
     s_len = lens[seqs][order]
     neg_all = -s_len.astype(np.float64)  # every bound below is a float: compare in one dtype
     limit = np.inf if last else target
