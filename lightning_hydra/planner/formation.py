@@ -119,29 +119,24 @@ class Formation:
         """The :class:`Plan`: groups laid out largest Ulysses degree first, then largest size, so that every group
         is contiguous and every Ulysses block stays inside a node; idle ranks fill the rest."""
         ds = self.degrees
-        order = stable_argsort(self.gid)
-        seq = self.seq[order]
-        counts = np.bincount(self.gid, minlength=self.group_mb.size)
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        seq_list = seq.tolist()
-        sizes, ulysses, ring = ds.sizes.tolist(), ds.ulysses.tolist(), ds.ring.tolist()
-        per_mb: list[list[int]] = [[] for _ in range(self.num_microbatches)]
-        for g, m in enumerate(self.group_mb.tolist()):
-            per_mb[m].append(g)
-        cls = self.group_class.tolist()
-        microbatches = []
-        for groups in per_mb:
-            out, start = [], 0
-            for g in sorted(groups, key=lambda g: (-ulysses[cls[g]], -sizes[cls[g]], g)):
-                j = cls[g]
-                d = sizes[j]
-                out.append(
-                    Group(
-                        tuple(range(start, start + d)), ulysses[j], ring[j], tuple(seq_list[bounds[g] : bounds[g + 1]])
-                    )
-                )
-                start += d
-            microbatches.append(req.fill_idle(out))
+        seq = self.seq[stable_argsort(self.gid)].tolist()
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(self.gid, minlength=self.group_mb.size))]).tolist()
+        k = self.group_class
+        size, ulysses = ds.sizes[k], ds.ulysses[k]
+        # per microbatch: largest Ulysses degree first, then largest size, then group number; ranks from 0 on
+        lay = np.lexsort((-size, -ulysses, self.group_mb))
+        end = np.cumsum(size[lay])
+        mb = self.group_mb[lay]
+        first = np.r_[True, mb[1:] != mb[:-1]]
+        start = end - size[lay] - np.maximum.accumulate(np.where(first, end - size[lay], 0))
+        sizes, u_of, r_of = ds.sizes.tolist(), ds.ulysses.tolist(), ds.ring.tolist()
+        microbatches: list[list[Group]] = [[] for _ in range(self.num_microbatches)]
+        for g, m, j, s0 in zip(lay.tolist(), mb.tolist(), k[lay].tolist(), start.tolist(), strict=True):
+            d = sizes[j]
+            microbatches[m].append(
+                Group(tuple(range(s0, s0 + d)), u_of[j], r_of[j], tuple(seq[bounds[g] : bounds[g + 1]]))
+            )
+        microbatches = [req.fill_idle(groups) for groups in microbatches]
         return req.plan(microbatches, "hydra", **stats)
 
 
@@ -237,7 +232,9 @@ def _microbatch(
     seq = np.concatenate([np.fromiter((i for m in mb.members for i in m), dtype=np.int64, count=int(counts.sum())),
                           mb.single_seq])  # fmt: skip
     gid = np.concatenate([np.repeat(np.arange(counts.size), counts), mb.single_gid])
-    used, gid = np.unique(gid, return_inverse=True)  # groups without sequences are dropped (their ranks idle)
+    present = np.bincount(gid, minlength=mb.classes.size) > 0  # groups without sequences are dropped (ranks idle)
+    used = np.flatnonzero(present)
+    gid = (np.cumsum(present) - 1)[gid]
     top = float(mb.loads[used].max()) if used.size else 0.0
     waiting = np.concatenate([tab.multi[np.asarray(wait_multi, dtype=np.int64)], wait_single])
     return _Formed(mb.classes[used], seq, gid.reshape(-1), top), waiting[descending_order(tab.cost_min[waiting])]

@@ -77,10 +77,11 @@ class PlanRequest:
 
     def fill_idle(self, groups: list[Group]) -> list[Group]:
         """Add idle groups (no sequences) for ranks not covered, as aligned power-of-two blocks."""
-        covered = np.zeros(self.world_size + 1, dtype=np.int8)
+        n = self.world_size + 1
+        starts = np.bincount(np.asarray([g.ranks[0] for g in groups], dtype=np.int64), minlength=n)
+        ends = np.bincount(np.asarray([g.ranks[-1] + 1 for g in groups], dtype=np.int64), minlength=n)
+        covered = (np.cumsum(starts[:n] - ends[:n]) > 0).astype(np.int8)  # ranks inside some group
         covered[-1] = 1  # a sentinel that ends the last run
-        for g in groups:
-            covered[g.ranks[0] : g.ranks[-1] + 1] = 1
         # runs of uncovered ranks: [start, end)
         edges = np.flatnonzero(np.diff(np.concatenate([[1], covered])))
         out = list(groups)
