@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -120,3 +122,11 @@ def test_descending_order_is_numpys_stable_descending_argsort() -> None:
             expected = np.argsort(-values, kind="stable")
             assert np.array_equal(descending_order(values), expected), (n, values[:5])
     assert descending_order(np.array([3.0, 3.0, 1.0, 1.0])).tolist() == [0, 1, 2, 3]  # sorted, ties: the identity
+
+
+def test_group_fast_constructor_makes_the_same_group() -> None:
+    fast, slow = Group._of((4, 5), 2, 1, (7,)), Group((4, 5), 2, 1, (7,))
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert vars(fast) == vars(slow) and type(fast) is Group
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.ring = 2  # type: ignore[misc]

@@ -61,7 +61,7 @@ class PlanRequest:
                 f"(heads={self.rules.num_heads}, ranks_per_node={self.rules.ranks_per_node}, "
                 f"max_ring={self.rules.max_ring})"
             )
-        return Group(tuple(range(start, start + size)), factors[0], factors[1], tuple(int(i) for i in seq_ids))
+        return Group._of(tuple(range(start, start + size)), factors[0], factors[1], tuple(int(i) for i in seq_ids))
 
     def plan(self, microbatches: list[list[Group]], policy: str, **stats: float) -> Plan:
         """Wrap groups into a :class:`Plan` with groups sorted by first rank."""
