@@ -119,24 +119,33 @@ class Formation:
         """The :class:`Plan`: groups laid out largest Ulysses degree first, then largest size, so that every group
         is contiguous and every Ulysses block stays inside a node; idle ranks fill the rest."""
         ds = self.degrees
-        seq = self.seq[stable_argsort(self.gid)].tolist()
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(self.gid, minlength=self.group_mb.size))]).tolist()
+        seq = tuple(self.seq[stable_argsort(self.gid)].tolist())
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(self.gid, minlength=self.group_mb.size))])
         k = self.group_class
         size, ulysses = ds.sizes[k], ds.ulysses[k]
         # per microbatch: largest Ulysses degree first, then largest size, then group number; ranks from 0 on
         lay = np.lexsort((-size, -ulysses, self.group_mb))
-        end = np.cumsum(size[lay])
-        mb = self.group_mb[lay]
+        size, mb = size[lay], self.group_mb[lay]
+        end = np.cumsum(size)
         first = np.r_[True, mb[1:] != mb[:-1]]
-        start = end - size[lay] - np.maximum.accumulate(np.where(first, end - size[lay], 0))
-        sizes, u_of, r_of = ds.sizes.tolist(), ds.ulysses.tolist(), ds.ring.tolist()
-        microbatches: list[list[Group]] = [[] for _ in range(self.num_microbatches)]
-        for g, m, j, s0 in zip(lay.tolist(), mb.tolist(), k[lay].tolist(), start.tolist(), strict=True):
-            d = sizes[j]
-            microbatches[m].append(
-                Group(tuple(range(s0, s0 + d)), u_of[j], r_of[j], tuple(seq[bounds[g] : bounds[g + 1]]))
+        start = end - size - np.maximum.accumulate(np.where(first, end - size, 0))
+        end = start + size
+        # every group's ranks and sequences are slices of one tuple each (no per-group tuple(range(...)))
+        pool = tuple(range(max(req.world_size, int(end.max(initial=0)))))
+        groups = [
+            Group._of(pool[s0:s1], u, r, seq[a:b])
+            for s0, s1, u, r, a, b in zip(
+                start.tolist(), end.tolist(), ulysses[lay].tolist(), ds.ring[k[lay]].tolist(),
+                bounds[lay].tolist(), bounds[lay + 1].tolist(), strict=True,
             )
-        microbatches = [req.fill_idle(groups) for groups in microbatches]
+        ]  # fmt: skip
+        # a microbatch's groups are consecutive in ``lay`` and cover its ranks from 0 on; idle groups take the rest
+        cuts = np.searchsorted(mb, np.arange(self.num_microbatches + 1)).tolist()
+        used = np.zeros(self.num_microbatches, dtype=np.int64)
+        np.maximum.at(used, mb, end)
+        microbatches = [
+            groups[cuts[m] : cuts[m + 1]] + req.idle_groups(top, req.world_size) for m, top in enumerate(used.tolist())
+        ]
         return req.plan(microbatches, "hydra", **stats)
 
 

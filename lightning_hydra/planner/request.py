@@ -86,11 +86,18 @@ class PlanRequest:
         edges = np.flatnonzero(np.diff(np.concatenate([[1], covered])))
         out = list(groups)
         for start, end in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=False):
-            rank = start
-            while rank < end:
-                size = 1
-                while rank % (size * 2) == 0 and rank + size * 2 <= end and self.rules.factor(size * 2, rank):
-                    size *= 2
-                out.append(self.group(rank, size))
-                rank += size
+            out += self.idle_groups(start, end)
+        return out
+
+    def idle_groups(self, start: int, end: int) -> list[Group]:
+        """Idle groups (no sequences) covering ranks ``start`` to ``end - 1``: from ``start`` on, each the largest
+        power-of-two block that is aligned to its size, stays below ``end`` and factors."""
+        out = []
+        rank = start
+        while rank < end:
+            size = 1
+            while rank % (size * 2) == 0 and rank + size * 2 <= end and self.rules.factor(size * 2, rank):
+                size *= 2
+            out.append(self.group(rank, size))
+            rank += size
         return out
