@@ -51,6 +51,10 @@ def test_check_names_each_violation(groups: list[list[Group]], message: str) -> 
 def test_check_rejects_other_lengths() -> None:
     with pytest.raises(PlanError, match="different lengths"):
         _valid().check([10, 20, 31], max_tokens_per_rank=64)
+    with pytest.raises(PlanError, match="different lengths"):
+        _valid().check(np.array([10, 20, 31]), max_tokens_per_rank=64)
+    for same in ((10, 20, 30), np.array([10, 20, 30]), [10.0, 20, np.int32(30)]):  # lengths as int64
+        _valid().check(same, max_tokens_per_rank=64)
 
 
 def test_digest_is_stable_and_sensitive() -> None:

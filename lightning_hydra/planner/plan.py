@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
@@ -120,14 +121,25 @@ class Plan:
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The plan as flat arrays: per group its microbatch, first rank, Ulysses and ring degrees; per placed
         sequence its index and group number (groups numbered in microbatch order)."""
-        groups = [g for gs in self.microbatches for g in gs]
+        groups = self._groups()
+        return self._flat(groups, [g.ranks for g in groups])
+
+    def _groups(self) -> list[Group]:
+        """Every group, in microbatch order."""
+        return [g for gs in self.microbatches for g in gs]
+
+    def _flat(
+        self, groups: list[Group], ranks: list[tuple[int, ...]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`flat` of ``groups`` (:meth:`_groups`) whose ``ranks`` were already read."""
         n = len(groups)
         mb = np.repeat(np.arange(len(self.microbatches), dtype=np.int64), [len(gs) for gs in self.microbatches])
-        start = np.array([g.ranks[0] for g in groups], dtype=np.int64)
+        start = np.fromiter(map(itemgetter(0), ranks), dtype=np.int64, count=n)
         u = np.array([g.ulysses for g in groups], dtype=np.int64)
         r = np.array([g.ring for g in groups], dtype=np.int64)
-        counts = np.array([len(g.seq_ids) for g in groups], dtype=np.int64)
-        seq = np.fromiter(chain.from_iterable(g.seq_ids for g in groups), dtype=np.int64, count=int(counts.sum()))
+        seq_ids = [g.seq_ids for g in groups]
+        counts = np.fromiter(map(len, seq_ids), dtype=np.int64, count=n)
+        seq = np.fromiter(chain.from_iterable(seq_ids), dtype=np.int64, count=int(counts.sum()))
         gid = np.repeat(np.arange(n, dtype=np.int64), counts)
         return mb, start, u, r, seq, gid
 
@@ -183,7 +195,9 @@ class Plan:
         every rank in exactly one group per microbatch, ``degree == ulysses * ring``, and groups aligned (contiguous
         ascending ranks, every Ulysses block inside one node).
         """
-        if tuple(np.asarray(lengths, dtype=np.int64).tolist()) != tuple(self.lengths):
+        mine = tuple(self.lengths)
+        same = isinstance(lengths, list | tuple) and tuple(lengths) == mine  # no conversion where equal as given
+        if not same and tuple(np.asarray(lengths, dtype=np.int64).tolist()) != mine:
             raise PlanError("the plan was made for different lengths than the batch being checked")
         if self._valid(max_tokens_per_rank):
             return
@@ -191,12 +205,13 @@ class Plan:
 
     def _valid(self, capacity: int) -> bool:
         """Every invariant at once, vectorised over groups (``False``: look for the first violation)."""
-        groups = [g for gs in self.microbatches for g in gs]
-        size = np.array([len(g.ranks) for g in groups], dtype=np.int64)
+        groups = self._groups()
+        members = [g.ranks for g in groups]
+        size = np.fromiter(map(len, members), dtype=np.int64, count=len(members))
         if size.size == 0 or (size == 0).any():
             return False
-        mb, start, u, r, seq, gid = self.flat()
-        ranks = np.fromiter(chain.from_iterable(g.ranks for g in groups), dtype=np.int64, count=int(size.sum()))
+        mb, start, u, r, seq, gid = self._flat(groups, members)
+        ranks = np.fromiter(chain.from_iterable(members), dtype=np.int64, count=int(size.sum()))
         offset = np.arange(ranks.size) - np.repeat(np.cumsum(size) - size, size)
         if not np.array_equal(ranks, np.repeat(start, size) + offset):
             return False  # not contiguous
@@ -217,14 +232,15 @@ class Plan:
         prev_end = np.r_[0, s_s[:-1] + z_s[:-1]]
         if (s_s != np.where(first, 0, prev_end)).any() or (s_s[last] + z_s[last] != self.world_size).any():
             return False  # ranks not covered exactly once
-        if np.unique(m_s).size != self.num_microbatches:
+        if int(first.sum()) != self.num_microbatches:  # microbatches with groups (``m_s`` is sorted)
             return False
         n = len(self.lengths)
         if seq.size and (seq.min() < 0 or seq.max() >= n):
             return False
         if not (np.bincount(seq, minlength=n) == 1).all():
             return False
-        shard = shard_tokens(np.asarray(self.lengths, dtype=np.int64)[seq], size[gid])
+        lengths = np.fromiter(self.lengths, dtype=np.int64, count=n)
+        shard = shard_tokens(lengths[seq], size[gid])
         return bool((np.bincount(gid, weights=shard, minlength=size.size) <= capacity).all())
 
     def _first_violation(self, max_tokens_per_rank: int) -> None:
