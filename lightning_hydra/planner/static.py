@@ -85,23 +85,26 @@ def static_layout(req: PlanRequest) -> StaticLayout:
         held[bins[fits]] += need[start : start + take][fits]
         where[start : start + take][fits] = bins[fits]
         failed += (start + np.flatnonzero(~fits)).tolist()
-    heap = [(int(t), b) for b, t in enumerate(held.tolist())]
+    heap = [(t, b) for b, t in enumerate(held.tolist())]
     heapq.heapify(heap)
-    for k in failed:  # rare: the emptiest bin with room, or a further microbatch of empty bins
-        if heap[0][0] + int(need[k]) > req.capacity:
-            for b in range(held.size, held.size + groups_per_mb):
+    num_bins = held.size
+    spill = []
+    for n in need[failed].tolist():  # the emptiest bin with room, or a further microbatch of empty bins
+        if heap[0][0] + n > req.capacity:
+            for b in range(num_bins, num_bins + groups_per_mb):
                 heapq.heappush(heap, (0, b))
-            held = np.concatenate([held, np.zeros(groups_per_mb, dtype=np.int64)])
-        tokens, b = heapq.heappop(heap)
-        where[k] = b
-        heapq.heappush(heap, (tokens + int(need[k]), b))
+            num_bins += groups_per_mb
+        tokens, b = heap[0]
+        heapq.heapreplace(heap, (tokens + n, b))  # bins are unique: the same bins as a pop and a push
+        spill.append(b)
+    where[failed] = spill
     placed = stable_argsort(where)
     factors = req.rules.factor(degree)
     if factors is None:  # pragma: no cover - memory_min returns allowed (factored) degrees only
         raise PlanError(f"static degree {degree} cannot be split into ulysses x ring")
     ulysses, ring = factors
     return StaticLayout(
-        degree=degree, ulysses=ulysses, ring=ring, groups_per_mb=groups_per_mb, num_bins=held.size,
+        degree=degree, ulysses=ulysses, ring=ring, groups_per_mb=groups_per_mb, num_bins=num_bins,
         seq=order[placed], bin=where[placed],
     )  # fmt: skip
 
