@@ -31,6 +31,7 @@ The last asked microbatch takes everything left (above the level if it must); on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -237,8 +238,8 @@ def _microbatch(
     wait_single = _place_single(mb, cost, req.lengths, single, level, last)
     if not mb.classes.size:  # nothing was dealt: the groups of the multi-rank phase as they are
         mb.classes, mb.loads = np.asarray(mb.gk, dtype=np.int64), np.asarray(mb.load)
-    counts = np.fromiter((len(m) for m in mb.members), dtype=np.int64, count=len(mb.members))
-    seq = np.concatenate([np.fromiter((i for m in mb.members for i in m), dtype=np.int64, count=int(counts.sum())),
+    counts = np.fromiter(map(len, mb.members), dtype=np.int64, count=len(mb.members))
+    seq = np.concatenate([np.fromiter(chain.from_iterable(mb.members), dtype=np.int64, count=int(counts.sum())),
                           mb.single_seq])  # fmt: skip
     gid = np.concatenate([np.repeat(np.arange(counts.size), counts), mb.single_gid])
     present = np.bincount(gid, minlength=mb.classes.size) > 0  # groups without sequences are dropped (ranks idle)
