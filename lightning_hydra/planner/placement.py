@@ -308,7 +308,7 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
                     best = (load[g] + costs[j - k], g, j)
             if best is not None:
                 g, j = best[1], best[2]
-                mb.put(g, int(multi_a[t]), float(tab.base[j, c]), float(tab.net[j, c]), int(tab.shards[j, c]), fixed[j])
+                mb.put(g, int(multi_a[t]), float(tab.base[j, c]), float(tab.net[j, c]), needs[j - k], fixed[j])
                 misses = 0
                 continue
         if choice == -1:
