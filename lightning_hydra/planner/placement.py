@@ -65,6 +65,7 @@ class _Microbatch:
         self.single_seq = np.zeros(0, dtype=np.int64)  # single-rank deal: sequence and group of each placement
         self.single_gid = np.zeros(0, dtype=np.int64)
         self.ordered: dict[int, list[tuple[float, int]]] = {}  # per class, (load, group) ascending
+        self.mins = np.full(len(self.sizes), np.inf)  # per class, the smallest load of its groups (``inf``: none)
         self.heaps: dict[int, list[tuple[float, int]]] = {}  # per class, built by the first :meth:`least`
         self.parked: dict[int, list[tuple[int, int]]] = {}
 
@@ -78,7 +79,9 @@ class _Microbatch:
         self.held.append(shard)
         self.members.append([seq])
         self.free -= self.sizes[j]
-        bisect.insort(self.ordered.setdefault(j, []), (load, g))
+        order = self.ordered.setdefault(j, [])
+        bisect.insort(order, (load, g))
+        self.mins[j] = order[0][0]
         if j in self.heaps:
             heapq.heappush(self.heaps[j], (load, g))
 
@@ -104,10 +107,7 @@ class _Microbatch:
                 heapq.heappush(self.heaps[j], (lo, g0 + t))
         for j in touched:
             ordered[j].sort()
-
-    def min_loads(self, classes: int) -> np.ndarray:
-        """Smallest load of any group of every class (``inf`` where a class has none)."""
-        return np.asarray([o[0][0] if (o := self.ordered.get(j)) else np.inf for j in range(classes)])
+            self.mins[j] = ordered[j][0][0]
 
     def least(self, j: int, need: int) -> int | None:
         """Least loaded group of class ``j`` with room for ``need`` tokens per rank (only the last microbatch asks,
@@ -149,6 +149,7 @@ class _Microbatch:
         self.held[g] += shard
         self.members[g].append(seq)
         bisect.insort(order, (self.load[g], g))
+        self.mins[self.gk[g]] = order[0][0]
         if (heap := self.heaps.get(self.gk[g])) is not None:
             heapq.heappush(heap, (self.load[g], g))
 
@@ -162,7 +163,7 @@ def _opening_run(
     sequence could join a group (no group of a reachable class light enough, counting the groups the run opens
     before it) and every one fits the free ranks. The scalar placement would open exactly these groups."""
     top, n = fixed.size - 1, k.size
-    mins = mb.min_loads(top + 1)
+    mins = mb.mins
     # per class present in the run (a row each, then a row of inf for the others): the lightest group the run opens
     # before each sequence, an exclusive running minimum of the loads alone of the run's sequences of that class
     present = np.flatnonzero(np.bincount(k, minlength=top + 1))
@@ -191,7 +192,7 @@ def _certain_misses(
     it; ``-inf`` where they may not join), and they cannot open a group of their own (``size`` ranks are more than
     are free, or their shard alone exceeds the capacity). A miss stays one while no group opens or gets lighter:
     joins only fill groups and free ranks only shrink."""
-    return (mb.min_loads(len(mb.sizes))[rows] > bounds).all(axis=1) & ((size > mb.free) | alone)
+    return (mb.mins[rows] > bounds).all(axis=1) & ((size > mb.free) | alone)
 
 
 def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: float, last: bool) -> list[int]:
