@@ -183,15 +183,21 @@ class _Tables:
         self.shards = shard_tokens(lm[None, :], sizes[:, None])
         rows = np.arange(k)[:, None]
         masked = np.where((rows >= j0[self.multi][None, :]) & (self.shards <= cap), self.cost, np.inf)
-        self.runmin = np.minimum.accumulate(masked, axis=0)
         self.cheapest = np.argmin(masked, axis=0)
+        for i in range(1, k):  # running minimum down the classes, row by row (``accumulate`` on axis 0 is slower)
+            np.minimum(masked[i - 1], masked[i], out=masked[i])
+        self.runmin = masked
 
-    def classes_at(self, target: float, raise_degrees: bool) -> np.ndarray:
-        """Class of every multi-rank candidate at ``target``."""
+    def classes_at(self, target: float, raise_degrees: bool, cols: np.ndarray) -> np.ndarray:
+        """Class at ``target`` of the multi-rank candidates in columns ``cols``."""
         if not raise_degrees:
-            return self.min_class[self.multi]
-        count = (self.runmin > target).sum(axis=0)
-        return np.where(count < self.runmin.shape[0], count, self.cheapest)
+            return self.min_class[self.multi[cols]]
+        classes = self.runmin.shape[0]
+        if 2 * cols.size >= self.runmin.shape[1]:  # most columns: compare whole rows, then pick
+            count = (self.runmin > target).sum(axis=0)[cols]
+        else:
+            count = (self.runmin[:, cols] > target).sum(axis=0)
+        return np.where(count < classes, count, self.cheapest[cols])
 
 
 @dataclass
@@ -217,11 +223,12 @@ def _microbatch(
     if not last and not even:
         fill = int(np.searchsorted(np.cumsum(tab.tokens_min[remaining]), DENSE_FILL * n_ranks * cap, "right"))
         level = max(level, float(work[:fill].sum()) / n_ranks)
-    kdeg = tab.classes_at(level, raise_degrees)
     col = tab.column[remaining]
     multi_cols = col[col >= 0]
-    multi_cols = multi_cols[kdeg[multi_cols] > 0]
-    tallest = float(tab.cost[kdeg[multi_cols], multi_cols].max()) if multi_cols.size else 0.0
+    kdeg = tab.classes_at(level, raise_degrees, multi_cols) if multi_cols.size else multi_cols
+    above = kdeg > 0
+    multi_cols, kdeg = multi_cols[above], kdeg[above]
+    tallest = float(tab.cost[kdeg, multi_cols].max()) if multi_cols.size else 0.0
     if multi_cols.size:
         placed_multi = np.zeros(req.lengths.size, dtype=bool)
         placed_multi[tab.multi[multi_cols]] = True
@@ -229,10 +236,11 @@ def _microbatch(
     else:
         single = remaining
     tallest = max(tallest, float(tab.cost_min[single].max()) if single.size else 0.0)
-    if raise_degrees and tallest > level * (1 + 1e-9):
-        kdeg = tab.classes_at(tallest, raise_degrees)
+    if raise_degrees and tallest > level * (1 + 1e-9) and multi_cols.size:
+        kdeg = tab.classes_at(tallest, raise_degrees, multi_cols)
     level = max(level, tallest)
-    multi_cols = multi_cols[descending_order(tab.cost[kdeg[multi_cols], multi_cols])]  # heaviest first
+    heaviest = descending_order(tab.cost[kdeg, multi_cols])
+    multi_cols, kdeg = multi_cols[heaviest], kdeg[heaviest]
     mb = _Microbatch(tab, ds, cost, n_ranks, cap)
     wait_multi = _place_multi(mb, multi_cols, kdeg, level, last)
     wait_single = _place_single(mb, cost, req.lengths, single, level, last)

@@ -195,8 +195,9 @@ def _certain_misses(
     return (mb.mins[rows] > bounds).all(axis=1) & ((size > mb.free) | alone)
 
 
-def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: float, last: bool) -> list[int]:
-    """Place multi-rank sequences (columns of the tables, heaviest first); return the ones that wait.
+def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: float, last: bool) -> list[int]:
+    """Place multi-rank sequences (columns of the tables, heaviest first; ``k_arr`` their classes); return the ones
+    that wait.
 
     After :data:`_GIVE_UP` consecutive misses (outside the last microbatch) only sequences whose own class still
     fits the free ranks are tried; the rest wait without a look (the free ranks only shrink until a placement).
@@ -214,7 +215,6 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, kdeg: np.ndarray, target: fl
     sizes, cap, top = mb.sizes, mb.cap, len(mb.sizes) - 1
     exposure = mb.exposure
     # each sequence's shard, base and net at its class and the REACH classes above
-    k_arr = kdeg[seqs]
     rows = np.minimum(k_arr[:, None] + np.arange(REACH + 1), top)
     shards_a = tab.shards[rows, seqs[:, None]]
     base_a = tab.base[rows, seqs[:, None]]
