@@ -111,6 +111,32 @@ def _request(lengths: np.ndarray, cost: CostModel, world: int, capacity: int, mi
     )
 
 
+@pytest.mark.parametrize(("name", "load_driven"), [("pow2", True), ("fine", True), ("pow2", False)])
+@pytest.mark.parametrize(("context", "capacity"), [(262144, 16384), (32768, 4096)])
+def test_the_placement_keeps_every_microbatchs_largest_load(
+    name: str, load_driven: bool, context: int, capacity: int, cost: CostModel
+) -> None:
+    """The placement keeps each group's load as running sums (and reads the single-rank parts from the tables):
+    every formed microbatch's largest load must be what the cost model gives its groups from scratch."""
+    from lightning_hydra.planner.formation import _microbatch, _Tables
+
+    lengths = make_batch("lognormal", world_size=64, capacity=capacity, num_microbatches=8, fill=0.75,
+                         context=context, seed=3)  # fmt: skip
+    req = _request(lengths, cost.replace(ring_exposure=1.5), 64, capacity, 8)
+    ds = DegreeSet.build(req.rules, name)
+    tab = _Tables(req, ds)
+    remaining, m, checked = np.argsort(-tab.cost_min, kind="stable"), 0, 0
+    while remaining.size:
+        formed, remaining = _microbatch(tab, ds, req, remaining, 8 - m, m >= 7, load_driven)
+        loads = req.cost.group_loads(
+            lengths[formed.seq], formed.gid, ds.ulysses[formed.classes], ds.ring[formed.classes]
+        )
+        assert formed.top == pytest.approx(float(loads.max()), rel=1e-9)
+        checked += int(formed.seq.size)
+        m += 1
+    assert checked == lengths.size
+
+
 def test_load_driven_formation_raises_degrees_above_memory_minimum(cost: CostModel) -> None:
     lengths = make_batch(
         "lognormal", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=5
@@ -319,16 +345,20 @@ def test_a_group_a_newcomer_makes_lighter_takes_what_it_passed() -> None:
     """With more ring traffic exposed than there is (``ring_exposure`` 3), a sequence whose attention hides more
     than its traffic makes its group lighter: the single-rank dealing then looks again at sequences it had passed
     as too long (here: 2,000 tokens join first, after which 2,300 fit)."""
+    from lightning_hydra.planner.formation import _Tables
     from lightning_hydra.planner.placement import _Microbatch, _place_single
 
     cost = CostModel(
         attn=1.0, linear=0.0, ring_bytes_per_token=100.0, inter_node_bandwidth=1.0, ring_exposure=3.0,
         min_chunk_tokens=1.0,
     )  # fmt: skip
-    ds = DegreeSet.build(DegreeRules(world_size=2, ranks_per_node=1, num_heads=32), "pow2")
-    mb = _Microbatch(None, ds, cost, 2, 10**6)  # type: ignore[arg-type]
+    rules = DegreeRules(world_size=2, ranks_per_node=1, num_heads=32)
+    ds = DegreeSet.build(rules, "pow2")
+    lengths = np.array([1, 2300, 2000])
+    req = PlanRequest(lengths=lengths, num_microbatches=1, capacity=10**6, cost=cost, rules=rules)
+    mb = _Microbatch(_Tables(req, ds), ds, cost, 2, 10**6)
     mb.open(1, 0, 0.0, 1e6, 0, 3e6)  # a ring group of 2 ranks whose bin exposes ring traffic
-    waiting = _place_single(mb, cost, np.array([1, 2300, 2000]), np.array([1, 2]), 5.2e6, False)
+    waiting = _place_single(mb, cost, lengths, np.array([1, 2]), 5.2e6, False)
     assert waiting.size == 0 and sorted(mb.single_seq.tolist()) == [1, 2]
     assert mb.loads[0] <= 5.2e6
 

@@ -165,10 +165,12 @@ class _Tables:
             j0 = np.minimum(j0 + over, k - 1)
         self.min_class = j0
         base, net = cost.pair_parts(lens, ds.ulysses[j0], ds.ring[j0])
+        self.base_min, self.net_min = base, net  # the parts at the memory minimum (of the single-rank dealing)
+        self.shard_min = shard_tokens(lens, sizes[j0])
         fixed = cost.fixed(ds.ulysses, ds.ring)
         self.cost_min = base + cost.ring_exposure * np.maximum(net, 0.0) + fixed[j0]
         self.work_min = self.cost_min * sizes[j0]
-        self.tokens_min = shard_tokens(lens, sizes[j0]) * sizes[j0]
+        self.tokens_min = self.shard_min * sizes[j0]
         # sequences that may need several ranks: above one rank of memory, or heavy enough to be raised
         low = 0.5 * float(self.work_min.sum()) / (req.world_size * req.num_microbatches)
         self.multi = np.flatnonzero((j0 > 0) | (self.cost_min > low))
@@ -179,6 +181,7 @@ class _Tables:
         self.base = b  # [classes, multi]
         self.net = nt
         self.fixed = fixed
+        self.quad, self.per_token = cost.length_quadratic(ds.ulysses, ds.ring)  # per class, for the single-rank deal
         self.cost = b + cost.ring_exposure * np.maximum(nt, 0.0) + fixed[:, None]
         self.shards = shard_tokens(lm[None, :], sizes[:, None])
         rows = np.arange(k)[:, None]

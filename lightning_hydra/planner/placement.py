@@ -349,13 +349,17 @@ def _place_single(
     bsum = np.concatenate([np.asarray(mb.bsum), np.zeros(free)])
     nsum = np.concatenate([np.asarray(mb.nsum), np.zeros(free)])
     held = np.concatenate([np.asarray(mb.held, dtype=np.int64), np.zeros(free, dtype=np.int64)])
-    busy = np.concatenate([np.asarray([bool(m) for m in mb.members], dtype=bool), np.zeros(free, dtype=bool)])
+    busy = np.arange(gk.size) < len(mb.gk)  # the multi-rank phase opens every group with a sequence in it
     size, ulysses, ring = ds.sizes[gk], ds.ulysses[gk], ds.ring[gk]
-    fixed = cost.fixed(ulysses, ring)
+    fixed = mb.tab.fixed[gk]
     exposure = cost.ring_exposure
-    # sequences longest first
+    # sequences longest first, with their parts and shard at class 0 (their memory minimum: every sequence dealt
+    # here has it), so that pairs with a class-0 group are read, not computed
     order = descending_order(lens[seqs])
-    s_len = lens[seqs][order]
+    s_seq = seqs[order]
+    s_len = lens[s_seq]
+    base0, net0, shard0 = mb.tab.base_min[s_seq], mb.tab.net_min[s_seq], mb.tab.shard_min[s_seq]
+    wide_group = gk > 0
     neg_all = -s_len.astype(np.float64)  # every bound below is a float: compare in one dtype
     limit = np.inf if last else target
     tile = 0.0 if last else max(cost.min_chunk_tokens, 1.0)
@@ -367,12 +371,16 @@ def _place_single(
 
     def fit(g: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, ...]:
         """Parts, shard, load after and whether sequence ``pos`` fits group ``g`` (element-wise)."""
-        b, n = cost.pair_parts(s_len[pos], ulysses[g], ring[g])
+        b, n, shard = base0[pos], net0[pos], shard0[pos]
+        wide = np.flatnonzero(wide_group[g])
+        if wide.size:
+            gw, lw = g[wide], s_len[pos[wide]]
+            b[wide], n[wide] = cost.pair_parts(lw, ulysses[gw], ring[gw])
+            shard[wide] = shard_tokens(lw, size[gw])
         after = bsum[g] + b + exposure * np.maximum(nsum[g] + n, 0.0) + fixed[g]
-        shard = shard_tokens(s_len[pos], size[g])
         return b, n, shard, after, (after <= limit) & (held[g] + shard <= cap)
 
-    quad, per_token = cost.length_quadratic(ulysses, ring)
+    quad, per_token = mb.tab.quad[gk], mb.tab.per_token[gk]
     act = np.arange(gk.size)  # groups that may still take a sequence: one that cannot now never can (see below)
     head = 0  # sequences before this position (in ``order``) no group can take any more
     for _ in range(_ROUNDS):
@@ -436,8 +444,8 @@ def _place_single(
         while _deal_block(cost, s_len, taken, assign, state, size, ulysses, ring, fixed, limit, tile, cap):
             pass
     placed = np.flatnonzero(assign >= 0)
-    mb.single_seq, mb.single_gid = seqs[order[placed]], assign[placed]
-    return seqs[order[~taken]]
+    mb.single_seq, mb.single_gid = s_seq[placed], assign[placed]
+    return s_seq[~taken]
 
 
 def _deal_block(
