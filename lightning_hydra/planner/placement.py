@@ -86,28 +86,33 @@ class _Microbatch:
             heapq.heappush(self.heaps[j], (load, g))
 
     def open_many(
-        self, classes: list[int], seqs: list[int], base: list[float], net: list[float], shards: list[int],
-        loads: list[float],
+        self, classes: np.ndarray, seqs: list[int], base: list[float], net: list[float], shards: list[int],
+        loads: np.ndarray,
     ) -> None:  # fmt: skip
-        """New groups, one per sequence, numbered in order (what one :meth:`open` per sequence makes)."""
-        g0 = len(self.gk)
-        self.gk.extend(classes)
-        self.load.extend(loads)
+        """New groups, one per sequence, numbered in order (what one :meth:`open` per sequence makes); ``classes``
+        and ``loads`` as arrays, so that each class's new groups join its order at once."""
+        g0, n = len(self.gk), classes.size
+        self.gk.extend(classes.tolist())
+        self.load.extend(loads.tolist())
         self.bsum.extend(base)
         self.nsum.extend(net)
         self.held.extend(shards)
-        self.members.extend([s] for s in seqs)
-        sizes, ordered = self.sizes, self.ordered
-        touched = set()
-        for t, (j, lo) in enumerate(zip(classes, loads, strict=True)):
-            self.free -= sizes[j]
-            ordered.setdefault(j, []).append((lo, g0 + t))
-            touched.add(j)
-            if j in self.heaps:
-                heapq.heappush(self.heaps[j], (lo, g0 + t))
-        for j in touched:
-            ordered[j].sort()
-            self.mins[j] = ordered[j][0][0]
+        self.members.extend([[s] for s in seqs])
+        self.free -= int(self.ds.sizes[classes].sum())
+        by = np.argsort(classes, kind="stable")
+        ks = classes[by]
+        cuts = (np.flatnonzero(ks[1:] != ks[:-1]) + 1).tolist()
+        lo, groups = loads[by].tolist(), (by + g0).tolist()
+        for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+            j = int(ks[a])
+            new = list(zip(lo[a:b], groups[a:b], strict=True))
+            order = self.ordered.setdefault(j, [])
+            order.extend(new)
+            order.sort()
+            self.mins[j] = order[0][0]
+            if (heap := self.heaps.get(j)) is not None:
+                for entry in new:
+                    heapq.heappush(heap, entry)
 
     def least(self, j: int, need: int) -> int | None:
         """Least loaded group of class ``j`` with room for ``need`` tokens per rank (only the last microbatch asks,
@@ -249,8 +254,8 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
             )
             if run:
                 s = slice(i, i + run)
-                mb.open_many(k_l[s], multi_a[s].tolist(), base_a[s, 0].tolist(), net_a[s, 0].tolist(),
-                             shards_a[s, 0].tolist(), own_a[s].tolist())  # fmt: skip
+                mb.open_many(k_arr[s], multi_a[s].tolist(), base_a[s, 0].tolist(), net_a[s, 0].tolist(),
+                             shards_a[s, 0].tolist(), own_a[s])  # fmt: skip
                 misses = 0
                 i += run
                 upto = 0  # the new groups may take what missed
