@@ -357,6 +357,7 @@ def _place_single(
     busy = np.arange(gk.size) < len(mb.gk)  # the multi-rank phase opens every group with a sequence in it
     size, ulysses, ring = ds.sizes[gk], ds.ulysses[gk], ds.ring[gk]
     fixed = mb.tab.fixed[gk]
+    idle_fixed = np.where(busy, 0.0, fixed)  # the fixed cost a group's first sequence adds
     exposure = cost.ring_exposure
     # sequences longest first, with their parts and shard at class 0 (their memory minimum: every sequence dealt
     # here has it), so that pairs with a class-0 group are read, not computed
@@ -365,6 +366,7 @@ def _place_single(
     s_len = lens[s_seq]
     base0, net0, shard0 = mb.tab.base_min[s_seq], mb.tab.net_min[s_seq], mb.tab.shard_min[s_seq]
     wide_group = gk > 0
+    any_wide = bool(wide_group.any())
     neg_all = -s_len.astype(np.float64)  # every bound below is a float: compare in one dtype
     limit = np.inf if last else target
     tile = 0.0 if last else max(cost.min_chunk_tokens, 1.0)
@@ -377,8 +379,8 @@ def _place_single(
     def fit(g: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, ...]:
         """Parts, shard, load after and whether sequence ``pos`` fits group ``g`` (element-wise)."""
         b, n, shard = base0[pos], net0[pos], shard0[pos]
-        wide = np.flatnonzero(wide_group[g])
-        if wide.size:
+        wide = np.flatnonzero(wide_group[g]) if any_wide else ()
+        if len(wide):
             gw, lw = g[wide], s_len[pos[wide]]
             b[wide], n[wide] = cost.pair_parts(lw, ulysses[gw], ring[gw])
             shard[wide] = shard_tokens(lw, size[gw])
@@ -401,7 +403,7 @@ def _place_single(
         # passed (``head``) until that happens
         longest = 2 * size[act] * ((cap - held[act]) // 2)  # the token room
         if not last:
-            slack = limit - load[act] - np.where(busy[act], 0.0, fixed[act])
+            slack = limit - load[act] - idle_fixed[act]
             longest = np.minimum(longest, cost.longest_under(slack, quad[act], per_token[act]))
         first = np.searchsorted(neg_len, -longest, "left")
         refused = np.flatnonzero(lo[act])
@@ -417,8 +419,11 @@ def _place_single(
         by = np.lexsort((load[act], first))
         rank = np.arange(act.size)
         idx = rank + np.maximum.accumulate(first[by] - rank)
-        keep = idx < stop[by]
-        g, pos, idx, stop_g = act[by][keep], rem[idx[keep]], idx[keep], stop[by][keep]
+        stop_g = stop[by]
+        keep = idx < stop_g
+        if not keep.all():
+            by, idx, stop_g = by[keep], idx[keep], stop_g[keep]
+        g, pos = act[by], rem[idx]
         if g.size == 0:
             break
         b, n, shard, after, ok = fit(g, pos)
@@ -434,7 +439,7 @@ def _place_single(
                 right = np.where(inside & good, mid, right)
                 left = np.where(inside & ~good, mid + 1, left)
             lo[gb] = np.where(left < stop_b, rem[np.minimum(left, rem.size - 1)], order.size)
-        g, pos, b, n, shard, after = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok]
+            g, pos, b, n, shard, after = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok]
         bsum[g] += b
         nsum[g] += n
         held[g] += shard
@@ -442,6 +447,7 @@ def _place_single(
             head = 0  # sequences passed for good above (``act`` stays: a group it left took nothing since)
         load[g] = after
         busy[g] = True
+        idle_fixed[g] = 0.0
         taken[pos] = True
         assign[pos] = g
     else:  # many short sequences per group: deal the rest in blocks, several per group at once
