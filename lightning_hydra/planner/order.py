@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["descending_order", "stable_argsort"]
+__all__ = ["descending_order", "is_descending", "stable_argsort"]
 
 
 def stable_argsort(keys: np.ndarray) -> np.ndarray:
@@ -38,6 +38,15 @@ def descending_order(values: np.ndarray) -> np.ndarray:
         values: One-dimensional array of numbers (no NaN).
     """
     values = np.asarray(values)
-    if values.size < 2 or bool((values[1:] <= values[:-1]).all()):
+    if is_descending(values):
         return np.arange(values.size)
     return np.argsort(-values, kind="stable")
+
+
+def is_descending(values: np.ndarray) -> bool:
+    """Whether ``values`` are non-increasing (then :func:`descending_order` is the identity).
+
+    Args:
+        values: One-dimensional array of numbers (no NaN).
+    """
+    return values.size < 2 or bool((values[1:] <= values[:-1]).all())

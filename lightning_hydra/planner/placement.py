@@ -17,7 +17,7 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import shard_tokens
-from lightning_hydra.planner.order import descending_order
+from lightning_hydra.planner.order import descending_order, is_descending
 
 if TYPE_CHECKING:
     from lightning_hydra.planner.formation import DegreeSet, _Tables
@@ -361,10 +361,11 @@ def _place_single(
     exposure = cost.ring_exposure
     # sequences longest first, with their parts and shard at class 0 (their memory minimum: every sequence dealt
     # here has it), so that pairs with a class-0 group are read, not computed
-    order = descending_order(lens[seqs])
-    s_seq = seqs[order]
-    s_len = lens[s_seq]
-    base0, net0, shard0 = mb.tab.base_min[s_seq], mb.tab.net_min[s_seq], mb.tab.shard_min[s_seq]
+    s_seq, s_len = seqs, lens[seqs]
+    if not is_descending(s_len):
+        order = descending_order(s_len)
+        s_seq, s_len = seqs[order], s_len[order]
+    base0, net0, shard0 = mb.tab.base_min, mb.tab.net_min, mb.tab.shard_min  # read at ``s_seq[pos]``
     wide_group = gk > 0
     any_wide = bool(wide_group.any())
     neg_all = -s_len.astype(np.float64)  # every bound below is a float: compare in one dtype
@@ -372,13 +373,14 @@ def _place_single(
     tile = 0.0 if last else max(cost.min_chunk_tokens, 1.0)
     tiles = np.where(ds.sizes == 1, np.inf, -(ds.sizes * tile))  # per class: its shortest sequence, negated
     cap = mb.cap
-    taken = np.zeros(order.size, dtype=bool)
-    lo = np.zeros(gk.size, dtype=np.int64)  # per group: first position (in ``order``) it may still take
-    assign = np.full(order.size, -1, dtype=np.int64)
+    taken = np.zeros(s_seq.size, dtype=bool)
+    lo = np.zeros(gk.size, dtype=np.int64)  # per group: first position (in ``s_seq``) it may still take
+    assign = np.full(s_seq.size, -1, dtype=np.int64)
 
     def fit(g: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, ...]:
         """Parts, shard, load after and whether sequence ``pos`` fits group ``g`` (element-wise)."""
-        b, n, shard = base0[pos], net0[pos], shard0[pos]
+        at = s_seq[pos]
+        b, n, shard = base0[at], net0[at], shard0[at]
         wide = np.flatnonzero(wide_group[g]) if any_wide else ()
         if len(wide):
             gw, lw = g[wide], s_len[pos[wide]]
@@ -389,7 +391,7 @@ def _place_single(
 
     quad, per_token = mb.tab.quad[gk], mb.tab.per_token[gk]
     act = np.arange(gk.size)  # groups that may still take a sequence: one that cannot now never can (see below)
-    head = 0  # sequences before this position (in ``order``) no group can take any more
+    head = 0  # sequences before this position (in ``s_seq``) no group can take any more
     for _ in range(_ROUNDS):
         rem = head + np.flatnonzero(~taken[head:])
         if rem.size == 0:
@@ -438,7 +440,7 @@ def _place_single(
                 good[inside] = fit(gb[inside], rem[mid[inside]])[4]
                 right = np.where(inside & good, mid, right)
                 left = np.where(inside & ~good, mid + 1, left)
-            lo[gb] = np.where(left < stop_b, rem[np.minimum(left, rem.size - 1)], order.size)
+            lo[gb] = np.where(left < stop_b, rem[np.minimum(left, rem.size - 1)], s_seq.size)
             g, pos, b, n, shard, after = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok]
         bsum[g] += b
         nsum[g] += n
