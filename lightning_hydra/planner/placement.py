@@ -249,9 +249,17 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
                 break
         if bulk:
             end = min(n, i + _RUN)
-            run = _opening_run(
+            # the run's first sequence alone, as :func:`_opening_run` tests it: a group it may join, or no room
+            k, sh, bs = k_l[i], shards_a[i].tolist(), base_a[i].tolist()
+            mins = mb.mins
+            blocked = sizes[k] > mb.free or sh[0] > cap
+            for o in range(min(REACH, top - k) + 1):
+                if blocked:
+                    break
+                blocked = sh[o] <= cap and mins[k + o] <= target - bs[o] - fixed[k + o]
+            run = 0 if blocked else _opening_run(
                 mb, k_arr[i:end], need_size[i:end], own_a[i:end], base_a[i:end], shards_a[i:end], fixed_a, target
-            )
+            )  # fmt: skip
             if run:
                 s = slice(i, i + run)
                 mb.open_many(k_arr[s], multi_a[s].tolist(), base_a[s, 0].tolist(), net_a[s, 0].tolist(),
