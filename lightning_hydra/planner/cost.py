@@ -289,16 +289,20 @@ class CostModel:
         r = np.asarray(ring, dtype=np.float64)[:, None]
         d = u * r
         a2a = np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / self.intra_node_bandwidth, 0.0)
-        d_eff = np.minimum(d, np.maximum(1.0, lens / self.min_chunk_tokens))
         steps = np.maximum(r - 1, 0.0)
         traffic = lens * (steps * self.ring_bytes_per_token / (r * u) / self.inter_node_bandwidth)
-        hideable = lens * lens * (steps * self.attn / (u * r * r))
-        base = (
-            lens * ((self.linear + self.attn * lens) / d_eff + a2a / d + self.length_overhead)
-            + self.seq_overhead
-            + self.ring_share * traffic
-        )
-        return base, traffic - hideable
+        # base = lens * ((linear + attn * lens) / d_eff + a2a / d + length_overhead) + seq_overhead
+        #        + ring_share * traffic, evaluated in that order in one [K, n] buffer (tables are large)
+        base = np.minimum(d, np.maximum(1.0, lens / self.min_chunk_tokens))  # d_eff
+        np.divide(self.linear + self.attn * lens, base, out=base)
+        base += a2a / d
+        base += self.length_overhead
+        base *= lens
+        base += self.seq_overhead
+        if self.ring_share:
+            base += self.ring_share * traffic
+        traffic -= (lens * lens) * (steps * self.attn / (u * r * r))  # the net: traffic minus hideable attention
+        return base, traffic
 
     def pair_parts(self, lengths: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`parts` element-wise: ``base`` and ``net`` of sequence ``i`` at degree ``(ulysses[i], ring[i])``."""
