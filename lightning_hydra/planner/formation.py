@@ -182,14 +182,18 @@ class _Tables:
         self.net = nt
         self.fixed = fixed
         self.quad, self.per_token = cost.length_quadratic(ds.ulysses, ds.ring)  # per class, for the single-rank deal
-        self.cost = b + cost.ring_exposure * np.maximum(nt, 0.0) + fixed[:, None]
+        self.cost = np.maximum(nt, 0.0)  # b + ring_exposure * max(nt, 0) + fixed, in one buffer
+        self.cost *= cost.ring_exposure
+        self.cost += b
+        self.cost += fixed[:, None]
         self.shards = shard_tokens(lm[None, :], sizes[:, None])
         rows = np.arange(k)[:, None]
         masked = np.where((rows >= j0[self.multi][None, :]) & (self.shards <= cap), self.cost, np.inf)
-        self.cheapest = np.argmin(masked, axis=0)
         for i in range(1, k):  # running minimum down the classes, row by row (``accumulate`` on axis 0 is slower)
             np.minimum(masked[i - 1], masked[i], out=masked[i])
         self.runmin = masked
+        # the first class at the cheapest cost (``argmin``): the rows before the running minimum reaches its last value
+        self.cheapest = (masked > masked[-1]).sum(axis=0)
 
     def classes_at(self, target: float, raise_degrees: bool, cols: np.ndarray) -> np.ndarray:
         """Class at ``target`` of the multi-rank candidates in columns ``cols``."""
