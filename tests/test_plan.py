@@ -128,6 +128,31 @@ def test_descending_order_is_numpys_stable_descending_argsort() -> None:
     assert descending_order(np.array([3.0, 3.0, 1.0, 1.0])).tolist() == [0, 1, 2, 3]  # sorted, ties: the identity
 
 
+def test_descending_order_of_two_is_the_stable_sort_of_the_concatenation() -> None:
+    from lightning_hydra.planner.order import descending_order_of_two
+
+    rng = np.random.default_rng(2)
+    for n, m in ((0, 0), (0, 5), (5, 0), (7, 300), (300, 7), (50, 4000)):
+        for draw in (lambda k: rng.integers(0, 6, k), lambda k: rng.random(k)):
+            first, second = draw(n), draw(m)
+            for tail in (second, -np.sort(-second)):  # unsorted (the fallback) and non-increasing (the merge)
+                expected = np.argsort(-np.concatenate([first, tail]), kind="stable")
+                assert np.array_equal(descending_order_of_two(first, tail), expected), (n, m)
+
+
+def test_prefix_within_is_the_cumsum_search() -> None:
+    from lightning_hydra.planner.formation import _prefix_within
+
+    rng = np.random.default_rng(3)
+    values = rng.integers(1, 9000, 20000)
+    for size in (0, 1, 900, 1024, 1025, 5000, 20000):
+        index = rng.permutation(values.size)[:size]
+        total = int(values[index].sum())
+        for budget in (0.0, 0.5, 8999.0, total * 0.3, total - 0.5, float(total), total * 2.0):
+            expected = int(np.searchsorted(np.cumsum(values[index]), budget, "right"))
+            assert _prefix_within(values, index, budget) == expected, (size, budget)
+
+
 def test_group_fast_constructor_makes_the_same_group() -> None:
     fast, slow = Group._of((4, 5), 2, 1, (7,)), Group((4, 5), 2, 1, (7,))
     assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)

@@ -37,7 +37,7 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
-from lightning_hydra.planner.order import descending_order, stable_argsort
+from lightning_hydra.planner.order import descending_order, descending_order_of_two, stable_argsort
 from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi, _place_single
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
@@ -217,6 +217,20 @@ class _Formed:
     top: float
 
 
+def _prefix_within(values: np.ndarray, index: np.ndarray, budget: float) -> int:
+    """How many leading entries of ``values[index]`` have a running sum within ``budget``: ``np.searchsorted(
+    np.cumsum(values[index]), budget, "right")`` for integer ``values``, summed in doubling chunks (the dense
+    level's prefix is a microbatch's worth of the remaining sequences, not all of them)."""
+    start, chunk, acc = 0, 1024, 0
+    while start < index.size:
+        sums = np.cumsum(values[index[start : start + chunk]]) + acc
+        k = int(np.searchsorted(sums, budget, "right"))
+        if k < sums.size:
+            return start + k
+        start, chunk, acc = start + sums.size, 2 * chunk, int(sums[-1])
+    return int(index.size)
+
+
 def _microbatch(
     tab: _Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool,
     even: bool = False,
@@ -228,7 +242,7 @@ def _microbatch(
     work = tab.work_min[remaining]
     level = float(work.sum()) / n_ranks / max(left, 1)
     if not last and not even:
-        fill = int(np.searchsorted(np.cumsum(tab.tokens_min[remaining]), DENSE_FILL * n_ranks * cap, "right"))
+        fill = _prefix_within(tab.tokens_min, remaining, DENSE_FILL * n_ranks * cap)
         level = max(level, float(work[:fill].sum()) / n_ranks)
     col = tab.column[remaining]
     multi_cols = col[col >= 0]
@@ -261,8 +275,10 @@ def _microbatch(
     used = np.flatnonzero(present)
     gid = (np.cumsum(present) - 1)[gid]
     top = float(mb.loads[used].max()) if used.size else 0.0
-    waiting = np.concatenate([tab.multi[np.asarray(wait_multi, dtype=np.int64)], wait_single])
-    return _Formed(mb.classes[used], seq, gid.reshape(-1), top), waiting[descending_order(tab.cost_min[waiting])]
+    wait_multi = tab.multi[np.asarray(wait_multi, dtype=np.int64)]
+    waiting = np.concatenate([wait_multi, wait_single])  # heaviest first (the single-rank ones mostly are)
+    heaviest = descending_order_of_two(tab.cost_min[wait_multi], tab.cost_min[wait_single])
+    return _Formed(mb.classes[used], seq, gid.reshape(-1), top), waiting[heaviest]
 
 
 def form(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["descending_order", "is_descending", "stable_argsort"]
+__all__ = ["descending_order", "descending_order_of_two", "is_descending", "stable_argsort"]
 
 
 def stable_argsort(keys: np.ndarray) -> np.ndarray:
@@ -50,3 +50,26 @@ def is_descending(values: np.ndarray) -> bool:
         values: One-dimensional array of numbers (no NaN).
     """
     return values.size < 2 or bool((values[1:] <= values[:-1]).all())
+
+
+def descending_order_of_two(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """``descending_order(np.concatenate([first, second]))`` where ``second`` is long and mostly already
+    non-increasing: ``first`` is sorted alone and merged into ``second`` by two binary searches (ties: ``first``
+    before ``second``, each in its own order, as the stable sort of the concatenation puts them).
+
+    Args:
+        first: One-dimensional array of numbers (no NaN), in any order.
+        second: One-dimensional array of numbers (no NaN); sorted in full if it is not non-increasing.
+    """
+    first, second = np.asarray(first), np.asarray(second)
+    if not is_descending(second):
+        return descending_order(np.concatenate([first, second]))
+    head = descending_order(first)
+    out = np.empty(first.size + second.size, dtype=np.int64)
+    # an entry of ``first`` comes after the entries of ``second`` strictly larger; one of ``second`` after those
+    # of ``first`` at least as large
+    out[np.arange(first.size) + np.searchsorted(-second, -first[head], "left")] = head
+    out[np.arange(second.size) + np.searchsorted(-first[head], -second, "right")] = np.arange(
+        first.size, first.size + second.size
+    )
+    return out
