@@ -74,11 +74,13 @@ def spans_of(
     def total(x: np.ndarray) -> np.ndarray:
         return np.bincount(gid, weights=x, minlength=n)
 
-    quad, lin, count, tokens = total(lens * lens / d_eff), total(lens / d_eff), total(np.ones_like(lens)), total(lens)
+    quad, lin, tokens = total(lens * lens / d_eff), total(lens / d_eff), total(lens)
+    count = np.bincount(gid, minlength=n).astype(np.float64)
     a2a = total(np.where(u > 1, (lens / d) * (u - 1) / u, 0.0))  # all-to-all bytes per byte-per-token
     ring_tokens = total(steps * (lens / r) / u)  # ring bytes per byte-per-token
     hide = total(steps * lens * lens / (u * r * r))  # hideable attention per unit of ``attn``
     busy = count > 0
+    segments = _segments(mb)
     out = np.empty(len(models))
     for i, c in enumerate(models):
         if c.min_chunk_tokens != tile:
@@ -94,14 +96,30 @@ def spans_of(
             + c.exposed(traffic, c.attn * hide)
             + c.fixed(u_g, r_g)
         )
-        out[i] = _span(np.where(busy, loads, 0.0), mb, num_microbatches, pipeline_stages)
+        out[i] = _span(np.where(busy, loads, 0.0), mb, num_microbatches, pipeline_stages, segments)
     return out
 
 
-def _span(loads: np.ndarray, mb: np.ndarray, num_microbatches: int, pipeline_stages: int) -> float:
-    """Sum over microbatches of the largest group load, plus ``P - 1`` times the largest microbatch."""
+def _segments(mb: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where each microbatch's groups start and which microbatch that is, when ``mb`` is sorted (formations list
+    their groups microbatch by microbatch); ``None`` otherwise."""
+    if mb.size == 0 or (mb[1:] < mb[:-1]).any():
+        return None
+    starts = np.flatnonzero(np.r_[True, mb[1:] != mb[:-1]])
+    return starts, mb[starts]
+
+
+def _span(
+    loads: np.ndarray, mb: np.ndarray, num_microbatches: int, pipeline_stages: int,
+    segments: tuple[np.ndarray, np.ndarray] | None = None,
+) -> float:  # fmt: skip
+    """Sum over microbatches of the largest group load, plus ``P - 1`` times the largest microbatch (``segments``:
+    :func:`_segments` of ``mb``, when sorted)."""
     per_mb = np.zeros(max(num_microbatches, int(mb.max()) + 1 if mb.size else 1))
-    np.maximum.at(per_mb, mb, loads)
+    if segments is None:
+        np.maximum.at(per_mb, mb, loads)
+    else:
+        per_mb[segments[1]] = np.maximum(np.maximum.reduceat(loads, segments[0]), 0.0)
     return float(per_mb.sum() + (pipeline_stages - 1) * per_mb.max())
 
 
