@@ -99,6 +99,9 @@ def test_shard_tokens_scalar_and_vectorised_agree() -> None:
     table = shard_tokens(lengths[None, :], degrees[:, None])
     assert table.dtype == np.int64
     assert table.tolist() == [[shard_tokens(int(n), int(d)) for n in lengths] for d in degrees]
+    pairs = shard_tokens(lengths[:4], degrees)  # element-wise (not a table)
+    assert pairs.tolist() == [shard_tokens(int(n), int(d)) for n, d in zip(lengths[:4], degrees, strict=True)]
+    assert shard_tokens(lengths[:, None], degrees[None, :]).tolist() == table.T.tolist()  # a table the other way
 
 
 def test_stable_argsort_is_numpys_stable_argsort() -> None:

@@ -30,6 +30,14 @@ def shard_tokens(length: ArrayLike, degree: ArrayLike) -> Any:
     if isinstance(length, np.ndarray) or isinstance(degree, np.ndarray):
         lengths = np.asarray(length, dtype=np.int64)
         degrees = np.asarray(degree, dtype=np.int64)
+        if lengths.ndim == 2 and lengths.shape[0] == 1 and degrees.shape[1:] == (1,) and degrees.ndim == 2:
+            # a table, one degree per row: divide each row by a scalar (NumPy's fast division by a constant)
+            out = np.empty((degrees.shape[0], lengths.shape[1]), dtype=np.int64)
+            negative = -lengths[0]
+            for row, chunk in enumerate((2 * degrees[:, 0]).tolist()):
+                np.floor_divide(negative, chunk, out=out[row])
+            out *= -2
+            return out
         return 2 * -(-lengths // (2 * degrees))
     return 2 * -(-int(length) // (2 * int(degree)))
 
