@@ -164,7 +164,12 @@ class _Tables:
                 break
             j0 = np.minimum(j0 + over, k - 1)
         self.min_class = j0
-        base, net = cost.pair_parts(lens, ds.ulysses[j0], ds.ring[j0])
+        if ds.ulysses[0] == ds.ring[0] == 1:  # one rank: shared by the degree sets; the rest computed here
+            base, net = (x.copy() for x in req.one_rank_parts)
+            wide = np.flatnonzero(j0)
+            base[wide], net[wide] = cost.pair_parts(lens[wide], ds.ulysses[j0[wide]], ds.ring[j0[wide]])
+        else:
+            base, net = cost.pair_parts(lens, ds.ulysses[j0], ds.ring[j0])
         self.base_min, self.net_min = base, net  # the parts at the memory minimum (of the single-rank dealing)
         self.shard_min = shard_tokens(lens, sizes[j0])
         fixed = cost.fixed(ds.ulysses, ds.ring)

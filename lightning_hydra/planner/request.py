@@ -52,6 +52,16 @@ class PlanRequest:
         order.setflags(write=False)  # shared by every policy and candidate of the request
         return order
 
+    @cached_property
+    def one_rank_parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`CostModel.pair_parts` of every sequence on one rank, computed once per request (every degree set
+        starts at one rank; read-only)."""
+        ones = np.ones(self.lengths.size, dtype=np.int64)
+        base, net = self.cost.pair_parts(self.lengths, ones, ones)
+        base.setflags(write=False)
+        net.setflags(write=False)
+        return base, net
+
     def group(self, start: int, size: int, seq_ids: list[int] | tuple[int, ...] = ()) -> Group:
         """A contiguous group of ``size`` ranks from ``start``, factored into Ulysses x ring."""
         factors = self.rules.factor(size, start)
