@@ -137,6 +137,25 @@ def test_the_placement_keeps_every_microbatchs_largest_load(
     assert checked == lengths.size
 
 
+@pytest.mark.parametrize("name", ["pow2", "fine", "node"])
+@pytest.mark.parametrize("distribution", ["lognormal", "stdlib"])
+def test_the_tables_cheapest_classes_are_the_plain_numpy_ones(name: str, distribution: str, cost: CostModel) -> None:
+    """The formation's tables build the running minimum over classes with room row by row, from the memory minimum
+    on: it must be NumPy's ``minimum.accumulate`` and ``argmin`` over the classes whose shard fits."""
+    from lightning_hydra.planner.formation import _Tables
+
+    lengths = make_batch(distribution, world_size=256, capacity=16384, num_microbatches=8, fill=0.75,
+                         context=262144, seed=4)  # fmt: skip
+    req = _request(lengths, cost.replace(ring_exposure=0.7), 256, 16384, 8)
+    tab = _Tables(req, DegreeSet.build(req.rules, name))
+    rows = np.arange(tab.cost.shape[0])[:, None]
+    room = (rows >= tab.min_class[tab.multi][None, :]) & (tab.shards <= 16384)
+    masked = np.where(room, tab.cost, np.inf)
+    np.testing.assert_array_equal(tab.runmin, np.minimum.accumulate(masked, axis=0))
+    np.testing.assert_array_equal(tab.cheapest, np.argmin(masked, axis=0))
+    assert (tab.shards[tab.min_class[tab.multi], np.arange(tab.multi.size)] <= 16384).all()
+
+
 def test_load_driven_formation_raises_degrees_above_memory_minimum(cost: CostModel) -> None:
     lengths = make_batch(
         "lognormal", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=5

@@ -192,10 +192,17 @@ class _Tables:
         self.cost += b
         self.cost += fixed[:, None]
         self.shards = shard_tokens(lm[None, :], sizes[:, None])
-        rows = np.arange(k)[:, None]
-        masked = np.where((rows >= j0[self.multi][None, :]) & (self.shards <= cap), self.cost, np.inf)
-        for i in range(1, k):  # running minimum down the classes, row by row (``accumulate`` on axis 0 is slower)
-            np.minimum(masked[i - 1], masked[i], out=masked[i])
+        # per sequence, the cheapest cost of the classes up to each, counting only those from its memory minimum on
+        # (``inf`` before it), row by row (``accumulate`` on axis 0 is slower). A shard only shrinks as the degree
+        # grows, so every class from the memory minimum on has token room and none below it has
+        j0m = j0[self.multi]
+        masked = np.empty_like(self.cost)
+        masked[0] = np.where(j0m <= 0, self.cost[0], np.inf)
+        for i in range(1, k):
+            np.minimum(masked[i - 1], np.where(j0m <= i, self.cost[i], np.inf), out=masked[i])
+        none = self.shards[-1] > cap  # no class has room (capacity is checked before planning)
+        if none.any():
+            masked[:, none] = np.inf
         self.runmin = masked
         # the first class at the cheapest cost (``argmin``): the rows before the running minimum reaches its last value
         self.cheapest = (masked > masked[-1]).sum(axis=0)
