@@ -154,6 +154,13 @@ def test_the_tables_cheapest_classes_are_the_plain_numpy_ones(name: str, distrib
     np.testing.assert_array_equal(tab.runmin, np.minimum.accumulate(masked, axis=0))
     np.testing.assert_array_equal(tab.cheapest, np.argmin(masked, axis=0))
     assert (tab.shards[tab.min_class[tab.multi], np.arange(tab.multi.size)] <= 16384).all()
+    # a class per sequence at a level: the first whose cheapest-so-far cost is within it, else the cheapest
+    cols = np.arange(0, tab.multi.size, 3)
+    levels = np.quantile(tab.cost[np.isfinite(tab.runmin)], [0.0, 0.01, 0.3, 0.7, 1.0]).tolist()
+    for level in [*levels, 0.0, 1e9]:
+        count = (tab.runmin[:, cols] > level).sum(axis=0)
+        expected = np.where(count < tab.runmin.shape[0], count, tab.cheapest[cols])
+        np.testing.assert_array_equal(tab.classes_at(level, True, cols), expected)
 
 
 def test_load_driven_formation_raises_degrees_above_memory_minimum(cost: CostModel) -> None:
