@@ -400,11 +400,18 @@ def _place_single(
     quad, per_token = mb.tab.quad[gk], mb.tab.per_token[gk]
     act = np.arange(gk.size)  # groups that may still take a sequence: one that cannot now never can (see below)
     head = 0  # sequences before this position (in ``s_seq``) no group can take any more
+    # the sequences still to deal from ``head`` on (positions in ``s_seq``) and their negated lengths, kept round to
+    # round: the taken ones leave, the ones before ``head`` are cut off; all come back when a group got lighter
+    rem, neg_len, lighter = np.arange(s_seq.size), neg_all, False
     for _ in range(_ROUNDS):
-        rem = head + np.flatnonzero(~taken[head:])
+        if lighter:
+            rem = np.flatnonzero(~taken)
+            neg_len, lighter = neg_all[rem], False
+        elif head:
+            cut = int(np.searchsorted(rem, head))
+            rem, neg_len = rem[cut:], neg_len[cut:]
         if rem.size == 0:
             break
-        neg_len = neg_all[rem]
         # the first sequence each group can still take: within its slack (exact for one rank, the longest the
         # quadratic part allows for more) and its token room, and past any sequence the exact check refused. A
         # group's room and what remains only shrink and the refusal mark only moves on, so a group that can take
@@ -449,12 +456,16 @@ def _place_single(
                 right = np.where(inside & good, mid, right)
                 left = np.where(inside & ~good, mid + 1, left)
             lo[gb] = np.where(left < stop_b, rem[np.minimum(left, rem.size - 1)], s_seq.size)
-            g, pos, b, n, shard, after = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok]
+            g, pos, b, n, shard, after, idx = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok], idx[ok]
         bsum[g] += b
         nsum[g] += n
         held[g] += shard
         if (after < load[g]).any():  # a newcomer's hidden ring traffic made a group lighter: it may now take
-            head = 0  # sequences passed for good above (``act`` stays: a group it left took nothing since)
+            head, lighter = 0, True  # sequences passed for good above (``act`` stays: a group it left took nothing)
+        else:
+            left_in = np.ones(rem.size, dtype=bool)
+            left_in[idx] = False
+            rem, neg_len = rem[left_in], neg_len[left_in]
         load[g] = after
         busy[g] = True
         idle_fixed[g] = 0.0
