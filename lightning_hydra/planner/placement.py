@@ -221,9 +221,10 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
     exposure = mb.exposure
     # each sequence's shard, base and net at its class and the REACH classes above
     rows = np.minimum(k_arr[:, None] + np.arange(REACH + 1), top)
-    shards_a = tab.shards[rows, seqs[:, None]]
-    base_a = tab.base[rows, seqs[:, None]]
-    net_a = tab.net[rows, seqs[:, None]]
+    at = rows * tab.multi.size + seqs[:, None]  # flat positions in the [classes, multi] tables (``take`` is faster)
+    shards_a = tab.shards.ravel().take(at)
+    base_a = tab.base.ravel().take(at)
+    net_a = tab.net.ravel().take(at)
     own_a = base_a[:, 0] + exposure * np.maximum(net_a[:, 0], 0.0) + fixed_a[k_arr]
     need_size = np.asarray(sizes, dtype=np.int64)[k_arr]
     multi_a = tab.multi[seqs]
