@@ -363,10 +363,10 @@ def _place_single(
     bsum = np.concatenate([np.asarray(mb.bsum), np.zeros(free)])
     nsum = np.concatenate([np.asarray(mb.nsum), np.zeros(free)])
     held = np.concatenate([np.asarray(mb.held, dtype=np.int64), np.zeros(free, dtype=np.int64)])
-    busy = np.arange(gk.size) < len(mb.gk)  # the multi-rank phase opens every group with a sequence in it
     size, ulysses, ring = ds.sizes[gk], ds.ulysses[gk], ds.ring[gk]
     fixed = mb.tab.fixed[gk]
-    idle_fixed = np.where(busy, 0.0, fixed)  # the fixed cost a group's first sequence adds
+    # the fixed cost a group's first sequence adds: none on the multi-rank phase's groups (each opened with one)
+    idle_fixed = np.where(np.arange(gk.size) < len(mb.gk), 0.0, fixed)
     exposure = cost.ring_exposure
     # sequences longest first, with their parts and shard at class 0 (their memory minimum: every sequence dealt
     # here has it), so that pairs with a class-0 group are read, not computed
@@ -468,12 +468,11 @@ def _place_single(
             left_in[idx] = False
             rem, neg_len = rem[left_in], neg_len[left_in]
         load[g] = after
-        busy[g] = True
         idle_fixed[g] = 0.0
         taken[pos] = True
         assign[pos] = g
     else:  # many short sequences per group: deal the rest in blocks, several per group at once
-        state = (bsum, nsum, held, load, busy)
+        state = (bsum, nsum, held, load)
         while _deal_block(cost, s_len, taken, assign, state, size, ulysses, ring, fixed, limit, tile, cap):
             pass
     placed = np.flatnonzero(assign >= 0)
@@ -488,9 +487,9 @@ def _deal_block(
     """One block of the dealing once its rounds are spent (more than :data:`_ROUNDS` sequences per group): the
     remaining sequences (longest first) go round-robin to the groups, least loaded first, as many per group as there
     are sequences per group left; each group keeps the longest prefix of its share that fits its level, token room
-    and tile. Updates ``state`` (per-group base sum, net sum, tokens, load, busy) in place; returns whether anything
-    was placed."""
-    bsum, nsum, held, load, busy = state
+    and tile. Updates ``state`` (per-group base sum, net sum, tokens, load) in place; returns whether anything was
+    placed."""
+    bsum, nsum, held, load = state
     rem = np.flatnonzero(~taken)
     groups = np.flatnonzero((load < limit) & (held < cap))
     if rem.size == 0 or groups.size == 0:
@@ -525,7 +524,6 @@ def _deal_block(
     np.add.at(held, g, shard)
     touched = np.unique(g)
     load[touched] = bsum[touched] + cost.ring_exposure * np.maximum(nsum[touched], 0.0) + fixed[touched]
-    busy[g] = True
     taken[pos] = True
     assign[pos] = g
     return True
