@@ -169,6 +169,15 @@ def _opening_run(
     before it) and every one fits the free ranks. The scalar placement would open exactly these groups."""
     top, n = fixed.size - 1, k.size
     mins = mb.mins
+    if not n:
+        return 0
+    # the first sequence alone, in Python (about half the looks end there): a group it may join, or no room to open
+    first, sh, bs = int(k[0]), shards[0].tolist(), base[0].tolist()
+    if size[0] > mb.free or sh[0] > mb.cap:
+        return 0
+    for o in range(min(REACH, top - first) + 1):
+        if sh[o] <= mb.cap and mins[first + o] <= target - bs[o] - fixed[first + o]:
+            return 0
     # per class present in the run (a row each, then a row of inf for the others): the lightest group the run opens
     # before each sequence, an exclusive running minimum of the loads alone of the run's sequences of that class
     present = np.flatnonzero(np.bincount(k, minlength=top + 1))
@@ -250,17 +259,9 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
                 break
         if bulk:
             end = min(n, i + _RUN)
-            # the run's first sequence alone, as :func:`_opening_run` tests it: a group it may join, or no room
-            k, sh, bs = k_l[i], shards_a[i].tolist(), base_a[i].tolist()
-            mins = mb.mins
-            blocked = sizes[k] > mb.free or sh[0] > cap
-            for o in range(min(REACH, top - k) + 1):
-                if blocked:
-                    break
-                blocked = sh[o] <= cap and mins[k + o] <= target - bs[o] - fixed[k + o]
-            run = 0 if blocked else _opening_run(
+            run = _opening_run(
                 mb, k_arr[i:end], need_size[i:end], own_a[i:end], base_a[i:end], shards_a[i:end], fixed_a, target
-            )  # fmt: skip
+            )
             if run:
                 s = slice(i, i + run)
                 mb.open_many(k_arr[s], multi_a[s].tolist(), base_a[s, 0].tolist(), net_a[s, 0].tolist(),
