@@ -81,13 +81,16 @@ def test_calibration_converges_from_a_three_x_wrong_start_and_survives_resume(tm
     runs = _fit(tmp_path, "cal", 20, wrong)
     errors = [h["cost_model/error"] for h in runs[0]["history"]]
     assert len(errors) == 20
-    assert errors[0] > 0.3, errors  # the start is visibly wrong
-    # within the first half of the run, below 15% (single steps of 4 ranks time-sharing 2 cores are noisy, see below)
-    converged = [k for k, e in enumerate(errors) if e < 0.15]
+    assert errors[0] > 0.5, errors  # the start is visibly wrong (2.4 to 6 on this machine, by its load)
+    # The measured side is noisy: CPU thread times of 4 ranks time-sharing 2 cores vary with what the other ranks
+    # and the rest of the machine run at the same moment. On a quiet machine the median error of the last 10 steps
+    # is 0.07-0.10 (single steps 0.01-0.25); under CI's load it reached 0.20 (single steps 0.13-0.34). So the bounds
+    # below separate "calibrated" from "not calibrated" (the start is 10-50x further off), not one noise floor from
+    # another: within the first half of the run a step below 20% error, and the later steps stay below 30%.
+    converged = [k for k, e in enumerate(errors) if e < 0.2]
     assert converged and converged[0] <= 10, errors
-    # and it stays near: CPU timings of 4 ranks time-sharing 2 cores vary with what the other ranks run at the
-    # same moment (single steps reach 10-25% error on this tiny model), so this bound is loose
-    assert float(np.median(errors[-10:])) < 0.2, errors
+    late = float(np.median(errors[-10:]))
+    assert late < 0.3 and late < errors[0] / 3, errors
     # every rank refitted the same coefficients (the digests of later plans agreed, or the run would have failed)
     assert all(r["end"] == runs[0]["end"] for r in runs)
     assert runs[0]["end"] != wrong.to_dict()
