@@ -337,7 +337,9 @@ def _plan(argv: list[str]) -> int:
     )  # fmt: skip
     if lengths.size == 0:
         parser.error(f"--fill {args.fill} of the pool holds no sequence: raise --fill or --capacity")
-    cost = CostModel.for_transformer(args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads)
+    cost = CostModel.for_transformer(
+        args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, ranks_per_node=args.ranks_per_node
+    )
     config = PlannerConfig(
         policy=args.policy, max_tokens_per_rank=capacity, num_microbatches=args.microbatches,
         ranks_per_node=args.ranks_per_node, pipeline_stages=args.pipeline_stages,

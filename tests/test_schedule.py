@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
-from lightning_hydra.planner.formation import REACH, DegreeSet, form
+from lightning_hydra.planner.formation import REACH, DegreeSet, form, layout
 from lightning_hydra.planner.request import PlanRequest
 
 POLICIES = ["hydra", "mcore", "static"]
@@ -436,3 +436,69 @@ def test_many_short_sequences_fill_the_asked_microbatches(
     assert _run(lengths, "hydra", cost, world=world, capacity=capacity, microbatches=microbatches).num_microbatches == (
         microbatches
     )
+
+
+@pytest.mark.parametrize(("dist", "context", "capacity"), [("pareto", 262144, 16384), ("lognormal", 32768, 4096)])
+def test_plans_charge_each_ring_the_link_its_layout_gives_it(dist, context, capacity):
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=8)
+    inside = 0
+    for seed in range(3):
+        batch = make_batch(dist, world_size=64, capacity=capacity, num_microbatches=8, fill=0.75, context=context,
+                           seed=seed)  # fmt: skip
+        req = _request(batch, cost, 64, capacity, 8)
+        for name in ("fine", "pow2"):
+            formed = form(req, DegreeSet.build(req.rules, name), raise_degrees=True)
+            plan = formed.plan(req)
+            plan.check(batch.tolist(), capacity)
+            mb, start, u, r, seq, gid = plan.flat()
+            across = start // 8 != (start + u * r - 1) // 8
+            inside += int(((u * r <= 8) & (r > 1) & ~across).sum())
+            # the plan's loads charge a ring that crosses nodes the inter-node link, one inside a node the intra-node
+            expected = cost.group_loads(np.asarray(batch, dtype=np.float64)[seq], gid, u, r, across)
+            assert np.allclose(plan.loads(cost).max(axis=1), [expected[mb == m].max(initial=0) for m in range(8)])
+            # and the candidate was scored on that same layout
+            _, fu, fr, fseq, fgid, _ = formed.flat()
+            scored = cost.group_loads(np.asarray(batch, dtype=np.float64)[fseq], fgid, fu, fr, formed.crosses(req))
+            assert np.allclose(np.sort(scored), np.sort(expected[np.bincount(gid, minlength=u.size) > 0]))
+    assert inside >= 10  # the fine set has rings of 3, 5 and 7 ranks
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.sampled_from([(3, 1), (5, 1), (6, 2), (7, 1), (2, 2), (4, 4), (8, 8), (16, 8), (12, 4)]), max_size=12)
+)
+def test_layout_keeps_rings_inside_nodes_when_single_ranks_fill_the_gaps(groups):
+    kinds = sorted(groups, key=lambda g: (-g[1], -g[0]))  # the order :func:`layout` is given
+    small = sum(1 for z, _ in kinds if z <= 8)
+    singles = 7 * (small + 1)
+    size = np.array([z for z, _ in kinds] + [1] * singles, dtype=np.int64)
+    ulysses = np.array([u for _, u in kinds] + [1] * singles, dtype=np.int64)
+    world = -(-int(size.sum()) // 8) * 8
+    start = layout(size, ulysses, size // ulysses, np.zeros(size.size, dtype=np.int64), 1, world, 8)
+    taken = np.zeros(world, dtype=np.int64)
+    for s, z, u in zip(start.tolist(), size.tolist(), ulysses.tolist(), strict=True):
+        assert s % u == 0 and s + z <= world
+        taken[s : s + z] += 1
+        if z <= 8:
+            assert s // 8 == (s + z - 1) // 8, (s, z)
+    assert taken.max() == 1
+
+
+def test_layout_fills_node_gaps_with_single_ranks_and_crosses_a_node_only_when_none_is_left():
+    size = np.array([7, 7, 1, 1, 6, 6, 3, 1])
+    ulysses, ring = np.array([1, 1, 1, 1, 2, 2, 1, 1]), np.array([7, 7, 1, 1, 3, 3, 3, 1])
+    start = layout(size, ulysses, ring, np.repeat([0, 1], 4), 2, 16, 8)
+    # microbatch 0: one ring of 7 per node, a single rank beside each
+    assert start[:4].tolist() == [0, 8, 7, 15]
+    # microbatch 1: 6 | single, then no single or idle rank is left for the gap at rank 7: the ring of 3 crosses
+    # into node 1 (it is the largest group that can start at an odd rank), and the second 6 takes the rest
+    assert start[4:].tolist() == [0, 10, 7, 6]
+    cost = CostModel.for_transformer(4096, 32, 32, 8, ranks_per_node=8)
+    assert cost.crossing(start[4:], size[4:]).tolist() == [False, False, True, False]
+    # without rings of a node or less the order given is kept (contiguous from 0)
+    one_mb = np.zeros(3, dtype=np.int64)
+    assert layout(np.array([4, 2, 1]), np.array([4, 2, 1]), np.ones(3, dtype=np.int64), one_mb, 1, 8, 8).tolist() == [
+        0,
+        4,
+        6,
+    ]

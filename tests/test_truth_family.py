@@ -232,3 +232,75 @@ def test_pipelines_get_candidates_whose_microbatches_aim_at_one_maximum():
         assert maxima[1].max() / maxima[1].mean() < maxima[0].max() / maxima[0].mean()  # flatter microbatches
         # and a shorter 1F1B step: sum of maxima plus (P - 1) times the largest
         assert maxima[1].sum() + 3 * maxima[1].max() < maxima[0].sum() + 3 * maxima[0].max()
+
+
+def _fine_plans(cost: CostModel, seeds: range) -> list:
+    """hydra's fine-degree candidate on 64 ranks (rings of 3, 5, 7 inside a node and of 9 and more across)."""
+    from lightning_hydra.planner.degrees import DegreeRules
+    from lightning_hydra.planner.hydra import candidates
+    from lightning_hydra.planner.request import PlanRequest
+
+    rules = DegreeRules(world_size=64, ranks_per_node=8, num_heads=32)
+    plans = []
+    for seed in seeds:
+        batch = make_batch(
+            "pareto", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=seed
+        )
+        req = PlanRequest(lengths=batch, num_microbatches=8, capacity=16384, cost=cost, rules=rules)
+        plans.append(next(f for f in candidates(req) if f.name == "fine/load").plan(req))
+    return plans
+
+
+@pytest.mark.parametrize("node", [8, 0])
+def test_rings_inside_a_node_and_across_nodes_are_both_learned(node):
+    # the truth moves a ring's KV blocks over the intra-node link when its group fits a node and over the
+    # inter-node link otherwise; with the node size the model has the same form and calibration fits both kinds
+    # of ring; without it (every ring at the inter-node bandwidth) one coefficient cannot fit both
+    model = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
+                       vocab_size=128256)  # fmt: skip
+    hw = truth("share50", 32)
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=node)
+    calibrator = CostCalibrator()
+    for plan in _fine_plans(cost, range(4)):
+        times = plan_times(plan, model=model, hardware=hw, layers=32, head_share=1.0)[0]
+        calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
+    cost = calibrator.refit(cost)
+    (plan,) = _fine_plans(cost, range(99, 100))
+    times = plan_times(plan, model=model, hardware=hw, layers=32, head_share=1.0)[0]
+    pred = predict(cost, plan_features(plan, cost), includes_comm=True).reshape(times.shape)
+    ratio = {"inside": [], "across": []}
+    for m, groups in enumerate(plan.microbatches):
+        for g in groups:
+            if g.seq_ids and g.ring > 1:
+                ratio["inside" if g.degree <= 8 else "across"].append(times[m, g.ranks[0]] / pred[m, g.ranks[0]])
+    assert len(ratio["inside"]) >= 5 and len(ratio["across"]) >= 5, {k: len(v) for k, v in ratio.items()}
+    worst = max(abs(np.log(np.asarray(v))).max() for v in ratio.values())
+    if node:
+        assert worst < 0.02, ratio
+    else:
+        assert worst > 0.04, ratio
+
+
+def test_ring_bandwidth_follows_the_node():
+    cost = CostModel.for_transformer(4096, 32, 32, 8, ranks_per_node=8, intra_node_bandwidth=300e9)
+    assert cost.intra_node_ring_bandwidth == 300e9
+    np.testing.assert_array_equal(cost.ring_bandwidth(np.array([2, 8, 9, 16])), [300e9, 300e9, 50e9, 50e9])
+    # a group of 3 fits a node but may have to cross one (3 does not divide 8): planned as crossing until laid out
+    assert cost.ring_bandwidth(3) == 50e9 and cost.ring_bandwidth(3, crosses=False) == 300e9
+    assert cost.crossing(np.array([5, 6, 8]), np.array([3, 3, 8])).tolist() == [False, True, False]
+    inside, _ = cost.ring_steps(8000, 2, 4)
+    across, _ = cost.replace(ranks_per_node=0).ring_steps(8000, 2, 4)  # unknown node: every ring crosses nodes
+    assert inside * 300e9 == pytest.approx(across * 50e9)
+    assert CostModel.from_dict(cost.to_dict()) == cost and isinstance(
+        CostModel.from_dict(cost.to_dict()).ranks_per_node, int
+    )
+    # tables, spans and bins agree on the link
+    lens = np.array([3000, 9000])
+    base, net = cost.parts(lens, np.array([1, 1]), np.array([4, 12]))
+    for k, (u, r) in enumerate([(1, 4), (1, 12)]):
+        b, n = cost.pair_parts(lens, np.array([u, u]), np.array([r, r]))
+        np.testing.assert_allclose(base[k], b, rtol=1e-12)
+        np.testing.assert_allclose(net[k], n, rtol=1e-12)
+    one_each = (np.array([0, 0]), np.array([1, 1]), np.array([4, 12]), np.array([0, 1]), np.array([0, 1]), 1)
+    expected = max(cost.bin_time([3000], 1, 4), cost.bin_time([9000], 1, 12))
+    assert span_of(cost, lens, *one_each) == pytest.approx(expected)

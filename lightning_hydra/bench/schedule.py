@@ -35,7 +35,7 @@ CONTEXTS = {"256K": (262144, 16384), "32K": (32768, 4096)}
 
 def llama8b_cost() -> CostModel:
     """The cost model of a Llama-3-8B-shaped decoder at 400 TFLOP/s achieved (an assumption, not a measurement)."""
-    return CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
+    return CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=8)
 
 
 def plan_metrics(plan: Plan, cost: CostModel, capacity: int) -> dict:

@@ -11,7 +11,9 @@ in the fitted coefficients (:data:`FITTED`, one feature each, in this order)::
 
 with ``d_eff`` the tile-bounded effective degree of :meth:`CostModel.effective_degree`, ``a2a_bytes`` the bytes
 that leave the rank in the Ulysses all-to-alls, ``traffic`` the ring's transfer seconds at the model's (fixed)
-inter-node bandwidth and ``hideable`` the attention that overlaps them (:meth:`CostModel.ring_steps`). The
+ring bandwidths (the intra-node ring link for a group inside one node, the inter-node link for one across nodes:
+:meth:`CostModel.ring_bandwidth`) and ``hideable`` the attention that overlaps them (:meth:`CostModel.ring_steps`).
+The
 features are rich enough to fit truths of a different form than the analytic start: kernels that slow down on
 short per-rank chunks (``sum(L)``: attention at efficiency ``chunk / (chunk + h)`` costs ``attn * h * L`` more per
 rank; a tile floor is linear in ``L`` too), a per-microbatch fixed cost (GEMMs below peak on few tokens, launches),
@@ -83,7 +85,9 @@ def coefficients(cost: CostModel) -> np.ndarray:
     return theta
 
 
-def bin_features(cost: CostModel, lengths: np.ndarray | list[int], ulysses: int, ring: int) -> np.ndarray:
+def bin_features(
+    cost: CostModel, lengths: np.ndarray | list[int], ulysses: int, ring: int, *, crosses: bool | None = None
+) -> np.ndarray:
     """Features of one rank's work on a bin (see the module docstring; all zero for an idle rank).
 
     Index 2 is the number of sequences, so ``features[..., 2] > 0`` marks a rank that held work.
@@ -93,13 +97,14 @@ def bin_features(cost: CostModel, lengths: np.ndarray | list[int], ulysses: int,
         lengths: Lengths of the bin's sequences (empty: an idle rank).
         ulysses: Ulysses degree of the group.
         ring: Ring degree of the group.
+        crosses: Whether the group's ranks span nodes (``None``: see :meth:`CostModel.ring_bandwidth`).
     """
     lens = np.asarray(lengths, dtype=np.float64)
     out = np.zeros(NUM_FEATURES)
     if lens.size == 0:
         return out
     d_eff = cost.effective_degree(lens, ulysses * ring)
-    traffic, hideable = cost.ring_steps(lens, ulysses, ring)
+    traffic, hideable = cost.ring_steps(lens, ulysses, ring, crosses)
     out[0] = float(np.sum(lens * lens / d_eff))
     out[1] = float(np.sum(lens / d_eff))
     out[2] = float(lens.size)
@@ -115,13 +120,14 @@ def bin_features(cost: CostModel, lengths: np.ndarray | list[int], ulysses: int,
 
 def plan_features(plan: Plan, cost: CostModel) -> np.ndarray:
     """:func:`bin_features` of every rank in every microbatch of ``plan``, vectorised: ``[M * N, NUM_FEATURES]``
-    with row ``m * N + rank`` (idle ranks all zero)."""
+    with row ``m * N + rank`` (idle ranks all zero); a ring that crosses nodes in the plan's layout is charged the
+    inter-node link (:meth:`CostModel.crossing`)."""
     mb, start, u, r, seq, gid = plan.flat()
     n_groups = u.size
     lens = np.asarray(plan.lengths, dtype=np.float64)[seq]
     us, rs = u[gid], r[gid]
     d_eff = cost.effective_degree(lens, us * rs)
-    traffic, hideable = cost.ring_steps(lens, us, rs)
+    traffic, hideable = cost.ring_steps(lens, us, rs, cost.crossing(start, u * r)[gid])
     per = np.zeros((n_groups, NUM_FEATURES))
     for col, values in enumerate((lens * lens / d_eff, lens / d_eff, np.ones_like(lens), lens)):
         per[:, col] = np.bincount(gid, weights=values, minlength=n_groups)

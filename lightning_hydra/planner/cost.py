@@ -8,8 +8,15 @@ Per sequence of length ``L`` on a group of degree ``d = u * r`` (docs/design.md 
     compute(L, d) = (attn * L**2 + linear * L) / d_eff + seq_overhead + length_overhead * L
                     d_eff = min(d, max(1, L / min_chunk_tokens))
     a2a(L, d, u)  = [u > 1] a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_node_bandwidth
-    traffic       = (r - 1) * ring_bytes_per_token * (L / r) / u / inter_node_bandwidth   (all KV hops, fwd + bwd)
+    traffic       = (r - 1) * ring_bytes_per_token * (L / r) / u / ring_bandwidth(d)      (all KV hops, fwd + bwd)
     hideable      = (r - 1) * attn * L**2 / (u * r**2)                          (the attention those hops overlap)
+
+with ``ring_bandwidth(d)`` the intra-node ring link for a group inside one node and the inter-node link for a group
+whose ranks span nodes (a ring runs at its slowest hop). Where the layout is known (a plan's first ranks,
+:meth:`CostModel.crossing`) it decides. Before it is (while planning), only a group whose size divides the node
+counts as inside one: aligned, such groups always tile a node, while a group of 3, 5, 6 or 7 ranks in a node of 8
+stays inside one only where single ranks fill the rest (the layout tries), so planning assumes it crosses and the
+plans' scores and calibration see where it did not.
 
 A *bin* (the sequences one group processes together) moves all its KV blocks in one batched transfer per ring
 step and computes all their attention while it travels, so exposure and fixed costs are per bin::
@@ -66,6 +73,13 @@ class CostModel:
     """Bytes per second one rank achieves in an all-to-all inside a node (NVLink class)."""
     inter_node_bandwidth: float = 50e9
     """Bytes per second one rank achieves on point-to-point transfers between nodes (InfiniBand class)."""
+    intra_node_ring_bandwidth: float = 400e9
+    """Bytes per second one rank achieves on the point-to-point transfers of a ring inside a node (not refitted:
+    calibration fits the ring's share and exposure on traffic computed at these fixed bandwidths)."""
+    ranks_per_node: int = 0
+    """Ranks per node: the ring of a group inside one node moves its KV blocks at ``intra_node_ring_bandwidth``,
+    one across nodes at ``inter_node_bandwidth`` (:meth:`ring_bandwidth`); ``0``: every ring crosses nodes (the
+    conservative default, for a cost model that does not know the topology)."""
     a2a_latency: float = 0.0
     """Fixed seconds per microbatch for the Ulysses all-to-alls of all layers (latency, not bandwidth)."""
     min_chunk_tokens: float = 128.0
@@ -98,6 +112,7 @@ class CostModel:
         a2a_latency: float = 30e-6,
         p2p_latency: float = 20e-6,
         min_chunk_tokens: float = 128.0,
+        ranks_per_node: int = 0,
     ) -> CostModel:
         """Derive coefficients from a causal decoder's shape and an achieved FLOP rate.
 
@@ -116,12 +131,14 @@ class CostModel:
                 blocks of the ring.
             grad_bytes_per_element: Element size of dK/dV on the ring (4: the engine accumulates and sends them in
                 float32 so that every rank sums them exactly).
-            intra_node_bandwidth: All-to-all bytes/s per rank inside a node.
+            intra_node_bandwidth: All-to-all and ring P2P bytes/s per rank inside a node.
             inter_node_bandwidth: P2P bytes/s per rank between nodes.
             seq_overhead: Seconds per sequence per rank that do not shrink with the degree.
             a2a_latency: Fixed seconds of the Ulysses all-to-alls per microbatch (all layers).
             p2p_latency: Fixed seconds per ring step (all layers).
             min_chunk_tokens: Per-rank chunk below which splitting buys no speed (a kernel tile).
+            ranks_per_node: Ranks per node (a ring inside one node uses the intra-node link); ``0``: unknown, every
+                ring crosses nodes.
 
         Returns:
             The analytic cost model.
@@ -146,6 +163,8 @@ class CostModel:
             ring_bytes_per_token=float(ring_bytes * num_layers),
             intra_node_bandwidth=intra_node_bandwidth,
             inter_node_bandwidth=inter_node_bandwidth,
+            intra_node_ring_bandwidth=intra_node_bandwidth,
+            ranks_per_node=ranks_per_node,
             a2a_latency=a2a_latency,
             p2p_latency=p2p_latency,
             min_chunk_tokens=min_chunk_tokens,
@@ -162,7 +181,37 @@ class CostModel:
     @classmethod
     def from_dict(cls, values: dict[str, float]) -> CostModel:
         """Inverse of :meth:`to_dict` (fields a dict from an older version lacks keep their defaults)."""
+        values = dict(values)
+        if "ranks_per_node" in values:
+            values["ranks_per_node"] = int(values["ranks_per_node"])
         return cls(**values)
+
+    def ring_bandwidth(self, degree: ArrayLike, crosses: ArrayLike | None = None) -> ArrayLike:
+        """Bytes/s of the ring's transfers of a group of ``degree`` ranks.
+
+        Args:
+            degree: Ranks of the group.
+            crosses: Whether the group's ranks span nodes (:meth:`crossing` of a laid-out plan); ``None``: unless
+                its size divides the node (see the module docstring).
+        """
+        node = self.ranks_per_node
+        if not node:
+            return np.full(np.shape(degree), self.inter_node_bandwidth)
+        if crosses is None:
+            d = np.asarray(degree)  # degrees are at least 1
+            inside = (d <= node) & (node % d == 0)
+        else:
+            inside = ~np.asarray(crosses, dtype=bool)
+        return np.where(inside, self.intra_node_ring_bandwidth, self.inter_node_bandwidth)
+
+    def crossing(self, start: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """Whether each group of ``size`` ranks from rank ``start`` spans two nodes (every group does without
+        ``ranks_per_node``)."""
+        start = np.asarray(start, dtype=np.int64)
+        if not self.ranks_per_node:
+            return np.ones(start.shape, dtype=bool)
+        node = int(self.ranks_per_node)
+        return start // node != (start + np.asarray(size, dtype=np.int64) - 1) // node
 
     # ------------------------------------------------------------------ per sequence
     def useful(self, length: ArrayLike) -> ArrayLike:
@@ -195,14 +244,17 @@ class CostModel:
         d = u * np.asarray(ring, dtype=np.float64)
         return np.where(u > 1, self.a2a_bytes_per_token * (length / d) * (u - 1) / u, 0.0)
 
-    def ring_steps(self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike) -> tuple[ArrayLike, ArrayLike]:
+    def ring_steps(
+        self, length: ArrayLike, ulysses: ArrayLike, ring: ArrayLike, crosses: ArrayLike | None = None
+    ) -> tuple[ArrayLike, ArrayLike]:
         """``(r - 1) * step_comm`` and ``(r - 1) * step_attn`` of a sequence: its ring traffic and the attention
-        that traffic can hide behind, summed over the ring's steps (zero without a ring)."""
+        that traffic can hide behind, summed over the ring's steps (zero without a ring). ``crosses``: whether the
+        group spans nodes (``None``: see :meth:`ring_bandwidth`)."""
         length = np.asarray(length, dtype=np.float64)
         u = np.asarray(ulysses, dtype=np.float64)
         r = np.asarray(ring, dtype=np.float64)
         steps = np.maximum(r - 1, 0.0)
-        comm = steps * self.ring_bytes_per_token * (length / r) / u / self.inter_node_bandwidth
+        comm = steps * self.ring_bytes_per_token * (length / r) / u / self.ring_bandwidth(u * r, crosses)
         attn = steps * self.attn * length * length / (u * r * r)
         return comm, attn
 
@@ -224,7 +276,7 @@ class CostModel:
             self.linear / d
             + self.length_overhead
             + np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / d / self.intra_node_bandwidth, 0.0)
-            + self.ring_share * np.maximum(r - 1, 0.0) * self.ring_bytes_per_token / d / self.inter_node_bandwidth
+            + self.ring_share * np.maximum(r - 1, 0.0) * self.ring_bytes_per_token / d / self.ring_bandwidth(d)
         )
         return quad, per_token
 
@@ -290,7 +342,7 @@ class CostModel:
         d = u * r
         a2a = np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / self.intra_node_bandwidth, 0.0)
         steps = np.maximum(r - 1, 0.0)
-        traffic = lens * (steps * self.ring_bytes_per_token / (r * u) / self.inter_node_bandwidth)
+        traffic = lens * (steps * self.ring_bytes_per_token / (r * u) / self.ring_bandwidth(d))
         # base = lens * ((linear + attn * lens) / d_eff + a2a / d + length_overhead) + seq_overhead
         #        + ring_share * traffic, evaluated in that order in one [K, n] buffer (tables are large)
         base = np.minimum(d, np.maximum(1.0, lens / self.min_chunk_tokens))  # d_eff
@@ -319,9 +371,13 @@ class CostModel:
         fixed = self.fixed(np.asarray(ulysses), np.asarray(ring))[:, None]
         return base + self.ring_exposure * np.maximum(net, 0.0) + fixed
 
-    def group_loads(self, lengths: np.ndarray, group: np.ndarray, ulysses: np.ndarray, ring: np.ndarray) -> np.ndarray:
+    def group_loads(
+        self, lengths: np.ndarray, group: np.ndarray, ulysses: np.ndarray, ring: np.ndarray,
+        crosses: np.ndarray | None = None,
+    ) -> np.ndarray:  # fmt: skip
         """Per-rank time of every group ``[G]`` from flat arrays: the length and group index of every placed
-        sequence, and each group's Ulysses and ring degrees (a group without sequences costs nothing)."""
+        sequence, and each group's Ulysses and ring degrees (a group without sequences costs nothing); ``crosses``:
+        whether each group spans nodes (:meth:`crossing`; ``None``: see :meth:`ring_bandwidth`)."""
         lens = np.asarray(lengths, dtype=np.float64)
         gid = np.asarray(group, dtype=np.int64)
         u_g = np.asarray(ulysses, dtype=np.float64)
@@ -329,7 +385,7 @@ class CostModel:
         n = u_g.size
         u, r = u_g[gid], r_g[gid]
         base = self.compute(lens, u * r) + self.a2a(lens, u, r)
-        traffic, hideable = self.ring_steps(lens, u, r)
+        traffic, hideable = self.ring_steps(lens, u, r, None if crosses is None else np.asarray(crosses)[gid])
         sums = np.bincount(gid, weights=base, minlength=n)
         exposed = self.exposed(
             np.bincount(gid, weights=traffic, minlength=n), np.bincount(gid, weights=hideable, minlength=n)
@@ -337,15 +393,22 @@ class CostModel:
         busy = np.bincount(gid, minlength=n) > 0
         return np.where(busy, sums + exposed + self.fixed(u_g, r_g), 0.0)
 
-    def bin_time(self, lengths: ArrayLike, ulysses: int = 1, ring: int = 1) -> float:
+    def bin_time(self, lengths: ArrayLike, ulysses: int = 1, ring: int = 1, crosses: bool | None = None) -> float:
         """Predicted time of one rank of a group that processes ``lengths`` together at ``ulysses * ring``.
 
         Compute and all-to-all volume add up; the ring's traffic is exposed only where the bin's total traffic
         exceeds the bin's total attention (plus the always-exposed share), and fixed costs are paid once per bin.
+        ``crosses``: whether the group spans nodes (``None``: see :meth:`ring_bandwidth`).
         """
         lens = np.asarray(lengths, dtype=np.float64).ravel()
         if lens.size == 0:
             return 0.0
         return float(
-            self.group_loads(lens, np.zeros(lens.size, dtype=np.int64), np.asarray([ulysses]), np.asarray([ring]))[0]
+            self.group_loads(
+                lens,
+                np.zeros(lens.size, dtype=np.int64),
+                np.asarray([ulysses]),
+                np.asarray([ring]),
+                None if crosses is None else np.asarray([crosses]),
+            )[0]
         )

@@ -30,7 +30,7 @@ The last asked microbatch takes everything left (above the level if it must); on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -42,7 +42,7 @@ from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi, 
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
 
-__all__ = ["DEGREE_SETS", "DENSE_FILL", "REACH", "DegreeSet", "Formation", "form"]
+__all__ = ["DEGREE_SETS", "DENSE_FILL", "REACH", "DegreeSet", "Formation", "form", "layout"]
 
 DEGREE_SETS = ("pow2", "fine", "node")
 """Named degree sets: ``pow2`` (Megatron's powers of two), ``fine`` (every size up to 8, then eight per octave),
@@ -104,6 +104,7 @@ class Formation:
     """Microbatches formed."""
     name: str
     """Which candidate this is."""
+    _laid: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def loads(self, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
         """Predicted load of every group under ``cost``."""
@@ -116,20 +117,43 @@ class Formation:
         k = self.group_class
         return self.group_mb, self.degrees.ulysses[k], self.degrees.ring[k], self.seq, self.gid, self.num_microbatches
 
+    def _layout(self, req: PlanRequest) -> tuple[np.ndarray, np.ndarray]:
+        """``(lay, start)``: the groups in layout order (per microbatch, largest Ulysses degree first, then largest
+        size, then group number) and the first rank of each (:func:`layout`); computed once."""
+        if self._laid is None:
+            ds, k = self.degrees, self.group_class
+            lay = np.lexsort((-ds.sizes[k], -ds.ulysses[k], self.group_mb))
+            kl = k[lay]
+            start = layout(
+                ds.sizes[kl], ds.ulysses[kl], ds.ring[kl], self.group_mb[lay], self.num_microbatches,
+                req.world_size, req.rules.ranks_per_node,
+            )  # fmt: skip
+            self._laid = (lay, start)
+        return self._laid
+
+    def crosses(self, req: PlanRequest) -> np.ndarray | None:
+        """Whether each group spans nodes in the plan's layout (:meth:`CostModel.crossing`), in group order;
+        ``None`` without rings of up to a node's ranks (then the contiguous layout keeps every group that divides a
+        node inside one and every larger one crosses, which is :meth:`CostModel.ring_bandwidth`'s default)."""
+        ds = self.degrees
+        small_rings = (ds.sizes <= req.rules.ranks_per_node) & (ds.ring > 1)
+        if not small_rings.any() or not small_rings[self.group_class].any():
+            return None
+        lay, start = self._layout(req)
+        out = np.empty(lay.size, dtype=bool)
+        out[lay] = req.cost.crossing(start, self.degrees.sizes[self.group_class[lay]])
+        return out
+
     def plan(self, req: PlanRequest, **stats: float | str) -> Plan:
-        """The :class:`Plan`: groups laid out largest Ulysses degree first, then largest size, so that every group
-        is contiguous and every Ulysses block stays inside a node; idle ranks fill the rest."""
+        """The :class:`Plan`, every group contiguous with its Ulysses blocks inside a node (:func:`layout`); idle
+        ranks fill the rest."""
         ds = self.degrees
         seq = tuple(self.seq[stable_argsort(self.gid)].tolist())
         bounds = np.concatenate([[0], np.cumsum(np.bincount(self.gid, minlength=self.group_mb.size))])
         k = self.group_class
-        size, ulysses = ds.sizes[k], ds.ulysses[k]
-        # per microbatch: largest Ulysses degree first, then largest size, then group number; ranks from 0 on
-        lay = np.lexsort((-size, -ulysses, self.group_mb))
-        size, mb = size[lay], self.group_mb[lay]
-        end = np.cumsum(size)
-        first = np.r_[True, mb[1:] != mb[:-1]]
-        start = end - size - np.maximum.accumulate(np.where(first, end - size, 0))
+        ulysses = ds.ulysses[k]
+        lay, start = self._layout(req)
+        size, mb = ds.sizes[k][lay], self.group_mb[lay]
         end = start + size
         # every group's ranks and sequences are slices of one tuple each (no per-group tuple(range(...)))
         pool = tuple(range(max(req.world_size, int(end.max(initial=0)))))
@@ -140,14 +164,113 @@ class Formation:
                 bounds[lay].tolist(), bounds[lay + 1].tolist(), strict=True,
             )
         ]  # fmt: skip
-        # a microbatch's groups are consecutive in ``lay`` and cover its ranks from 0 on; idle groups take the rest
         cuts = np.searchsorted(mb, np.arange(self.num_microbatches + 1)).tolist()
+        # idle groups take the ranks left: after the last group where a microbatch covers its ranks from 0 on (the
+        # contiguous layout), else wherever the node layout left them
         used = np.zeros(self.num_microbatches, dtype=np.int64)
         np.maximum.at(used, mb, end)
+        covered = np.bincount(mb, weights=size, minlength=self.num_microbatches)
         microbatches = [
-            groups[cuts[m] : cuts[m + 1]] + req.idle_groups(top, req.world_size) for m, top in enumerate(used.tolist())
+            groups[a:b] + req.idle_groups(top, req.world_size) if top == held else req.fill_idle(groups[a:b])
+            for a, b, top, held in zip(cuts[:-1], cuts[1:], used.tolist(), covered.tolist(), strict=True)
         ]
         return req.plan(microbatches, "hydra", **stats)
+
+
+def layout(
+    size: np.ndarray, ulysses: np.ndarray, ring: np.ndarray, mb: np.ndarray, num_microbatches: int, world_size: int,
+    node: int,
+) -> np.ndarray:  # fmt: skip
+    """First rank of every group, given microbatch by microbatch, largest Ulysses degree first, then largest size.
+
+    In every microbatch, groups larger than a node take ranks from 0 on, one after the other (each Ulysses degree
+    divides every earlier size, so every group starts at a multiple of its Ulysses degree). Then node by node, the
+    largest group of 2 to ``node`` ranks that fits what is left of the node at a multiple of its Ulysses degree
+    goes next; where none does, a single rank (or an idle one) fills the gap. So a group that fits a node stays
+    inside one and its ring runs on the intra-node link (:meth:`CostModel.ring_bandwidth`). Only when no single or
+    idle rank is left to fill a gap does the largest group that can start there cross a node (its Ulysses blocks
+    stay inside nodes; its ring does not); when none can, the microbatch is laid out contiguously in the given
+    order (valid, but small rings may cross nodes). A microbatch without rings of 2 to ``node`` ranks is laid out
+    contiguously in the given order, which keeps every Ulysses-only group inside a node. Where a ring crosses,
+    :meth:`CostModel.crossing` of the layout tells the cost model.
+
+    Args:
+        size: Ranks of every group.
+        ulysses: Ulysses degree of every group.
+        ring: Ring degree of every group.
+        mb: Microbatch of every group (sorted).
+        num_microbatches: Microbatches.
+        world_size: Ranks in the pool.
+        node: Ranks per node (a multiple of every Ulysses degree; ``world_size`` is a multiple of it).
+    """
+    end = np.cumsum(size)
+    first = np.r_[True, mb[1:] != mb[:-1]] if mb.size else np.zeros(0, dtype=bool)
+    start = end - size - np.maximum.accumulate(np.where(first, end - size, 0))  # contiguous, from 0 per microbatch
+    cuts = np.searchsorted(mb, np.arange(num_microbatches + 1)).tolist()
+    for m in range(num_microbatches):
+        a, b = cuts[m], cuts[m + 1]
+        if ((size[a:b] <= node) & (ring[a:b] > 1)).any():
+            placed = _in_nodes(size[a:b], ulysses[a:b], world_size, node)
+            if placed is not None:
+                start[a:b] = placed
+    return start
+
+
+def _in_nodes(size: np.ndarray, ulysses: np.ndarray, world_size: int, node: int) -> np.ndarray | None:
+    """:func:`layout` of one microbatch; ``None`` where it must fall back to the contiguous layout."""
+    out = np.empty(size.size, dtype=np.int64)
+    big = np.flatnonzero(size > node)
+    out[big] = np.cumsum(size[big]) - size[big]
+    cursor = int(size[big].sum())
+    single = np.flatnonzero(size == 1)
+    spare_singles = single.size
+    idle = world_size - int(size.sum())
+    # the groups of 2 to ``node`` ranks by (size, Ulysses degree), largest size first
+    small = np.flatnonzero((size > 1) & (size <= node))
+    small = small[np.lexsort((-ulysses[small], -size[small]))]
+    buckets: dict[int, list[tuple[int, list[int]]]] = {}
+    for z, u, i in zip(size[small].tolist(), ulysses[small].tolist(), small.tolist(), strict=True):
+        kinds = buckets.setdefault(z, [])
+        if not kinds or kinds[-1][0] != u:
+            kinds.append((u, []))
+        kinds[-1][1].append(i)
+    for kinds in buckets.values():
+        for _, members in kinds:
+            members.reverse()  # pop() takes them in the given order
+    sizes_desc = sorted(buckets, reverse=True)
+    left = small.size
+    singles_at: list[int] = []
+    while left:
+        room = node - cursor % node
+        pick = -1
+        for z in sizes_desc:
+            if z > room:
+                continue
+            for u, members in buckets[z]:
+                if members and cursor % u == 0:
+                    pick = members.pop()
+                    break
+            if pick >= 0:
+                break
+        if pick < 0 and room < node and (spare_singles or idle):
+            if spare_singles:  # a single rank fills the gap
+                singles_at.append(cursor)
+                spare_singles -= 1
+            else:
+                idle -= 1
+            cursor += 1
+            continue
+        if pick < 0:  # no gap filler left: the largest group that can start here crosses the node (its ring)
+            pick = next((m.pop() for z in sizes_desc for u, m in buckets[z] if m and cursor % u == 0), -1)
+            if pick < 0:
+                return None
+        out[pick] = cursor
+        cursor += int(size[pick])
+        left -= 1
+    if cursor + spare_singles > world_size:
+        return None  # pragma: no cover - the groups' ranks fit the pool
+    out[single] = np.r_[np.asarray(singles_at, dtype=np.int64), np.arange(cursor, cursor + spare_singles)]
+    return out
 
 
 class _Tables:

@@ -66,17 +66,19 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     static = static_layout(req)
     models = ensemble(req.cost)
 
-    def spans(*flat: np.ndarray | int) -> np.ndarray:
-        return spans_of(models, lengths, *flat, req.pipeline_stages)
+    def spans(*flat: np.ndarray | int, crosses: np.ndarray | None = None) -> np.ndarray:
+        return spans_of(models, lengths, *flat, req.pipeline_stages, crosses)
 
-    # the Megatron-shaped formation, static and mcore bound hydra's own prediction
-    scored = [Scored(f.name, spans(*f.flat()), f.name.endswith("/memory")) for f in formed]
+    # the Megatron-shaped formation, static and mcore bound hydra's own prediction; each scored as laid out (a ring
+    # is charged the link its ranks use); static's aligned power-of-two groups cross exactly when above a node
+    scored = [Scored(f.name, spans(*f.flat(), crosses=f.crosses(req)), f.name.endswith("/memory")) for f in formed]
     scored.append(Scored("static", spans(*static.flat()), True))
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
     mcore = schedule_mcore_fast(req) if lengths.size * math.sqrt(req.world_size) <= budget else None
     if mcore is not None:
-        mb, _, u, r, seq, gid = mcore.flat()
-        scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches), True))
+        mb, start, u, r, seq, gid = mcore.flat()
+        crosses = req.cost.crossing(start, u * r)
+        scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches, crosses=crosses), True))
     pick, regret = choose(scored)
     stats: dict[str, float | str] = {"candidate": scored[pick].name}
     for s in scored:

@@ -152,10 +152,11 @@ class Plan:
         return out
 
     def loads(self, cost: CostModel) -> np.ndarray:
-        """Predicted time ``[num_microbatches, world_size]`` of every rank (:meth:`CostModel.bin_time` of its bin)."""
+        """Predicted time ``[num_microbatches, world_size]`` of every rank (:meth:`CostModel.bin_time` of its bin, a
+        ring that crosses nodes in this layout at the inter-node link)."""
         mb, start, u, r, seq, gid = self.flat()
         lengths = np.asarray(self.lengths, dtype=np.float64)[seq]
-        return self._spread(mb, start, u * r, cost.group_loads(lengths, gid, u, r))
+        return self._spread(mb, start, u * r, cost.group_loads(lengths, gid, u, r, cost.crossing(start, u * r)))
 
     def tokens(self) -> np.ndarray:
         """Tokens ``[num_microbatches, world_size]`` held per rank (zigzag shards, padding included)."""

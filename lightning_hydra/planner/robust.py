@@ -33,7 +33,9 @@ def ensemble(cost: CostModel) -> list[CostModel]:
     return [
         cost,
         cost.replace(
-            intra_node_bandwidth=cost.intra_node_bandwidth / 2, inter_node_bandwidth=cost.inter_node_bandwidth / 2
+            intra_node_bandwidth=cost.intra_node_bandwidth / 2,
+            inter_node_bandwidth=cost.inter_node_bandwidth / 2,
+            intra_node_ring_bandwidth=cost.intra_node_ring_bandwidth / 2,
         ),
         cost.replace(ring_share=cost.ring_share + 0.25),
         cost.replace(length_overhead=cost.length_overhead + 512 * cost.attn),
@@ -43,18 +45,21 @@ def ensemble(cost: CostModel) -> list[CostModel]:
 
 def span_of(
     cost: CostModel, lengths: np.ndarray, mb: np.ndarray, ulysses: np.ndarray, ring: np.ndarray, seq: np.ndarray,
-    gid: np.ndarray, num_microbatches: int, pipeline_stages: int = 1,
+    gid: np.ndarray, num_microbatches: int, pipeline_stages: int = 1, crosses: np.ndarray | None = None,
 ) -> float:  # fmt: skip
     """Predicted step time from flat arrays (see :meth:`Plan.flat`): the sum over microbatches of the largest group
     load, plus, through ``P`` pipeline stages under 1F1B, ``P - 1`` times the largest microbatch (the warm-up and
-    cool-down a step cannot hide; equal microbatches of time ``t`` take ``(M + P - 1) t``)."""
-    loads = cost.group_loads(lengths[seq], gid, ulysses, ring)
+    cool-down a step cannot hide; equal microbatches of time ``t`` take ``(M + P - 1) t``). ``crosses``: whether
+    each group spans nodes (:meth:`CostModel.crossing` of its layout; ``None``: see
+    :meth:`CostModel.ring_bandwidth`)."""
+    loads = cost.group_loads(lengths[seq], gid, ulysses, ring, crosses)
     return _span(loads, mb, num_microbatches, pipeline_stages)
 
 
 def spans_of(
     models: list[CostModel], lengths: np.ndarray, mb: np.ndarray, ulysses: np.ndarray, ring: np.ndarray,
     seq: np.ndarray, gid: np.ndarray, num_microbatches: int, pipeline_stages: int = 1,
+    crosses: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     """:func:`span_of` under every model of ``models`` (an :func:`ensemble`; equal up to rounding, which
     :func:`choose` treats as a tie): the plan's per-group sums of what
@@ -84,9 +89,9 @@ def spans_of(
     out = np.empty(len(models))
     for i, c in enumerate(models):
         if c.min_chunk_tokens != tile:
-            out[i] = span_of(c, lengths, mb, ulysses, ring, seq, gid, num_microbatches, pipeline_stages)
+            out[i] = span_of(c, lengths, mb, ulysses, ring, seq, gid, num_microbatches, pipeline_stages, crosses)
             continue
-        traffic = c.ring_bytes_per_token * ring_tokens / c.inter_node_bandwidth
+        traffic = c.ring_bytes_per_token * ring_tokens / c.ring_bandwidth(u_g * r_g, crosses)
         loads = (
             c.attn * quad
             + c.linear * lin

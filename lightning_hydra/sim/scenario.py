@@ -102,6 +102,7 @@ class Scenario:
             "bytes_per_element": self.model.bytes_per_element,
             "intra_node_bandwidth": hw.intra_node_bandwidth,
             "inter_node_bandwidth": hw.inter_node_bandwidth,
+            "ranks_per_node": self.node_size(),
         }
         args.update(self.planner)
         shape = self.model.cost_model_args()

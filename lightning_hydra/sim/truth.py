@@ -13,7 +13,9 @@ pipeline stage of ``layers`` layers and tensor parallelism ``tp``::
     fixed = layers * (layer_overhead + seq_overhead * len(Ls))
 
 where one ring step of one layer moves ``step = kv_bytes * sum(L) / d`` (k and v forward; k, v and dK, dV
-backward) over the intra-node link when the group fits a node and the inter-node link otherwise, and ``exposed``
+backward) over the intra-node link when the group's ranks lie in one node and the inter-node link when they span
+nodes (a ring runs at its slowest hop; without a layout, a group spans nodes when it is larger than one), and
+``exposed``
 is ``max(0, step / bw - attn / (layers * r))`` (what that step's attention fails to hide) or, with
 ``ring_share``, ``ring_share * step / bw`` whatever attention hides. ``a2a_bytes`` counts q, k, v in and the
 output back, forward and backward, with k and v at the KV heads (or the full width with ``a2a_full_heads``).
@@ -59,6 +61,7 @@ def group_times(
     head_share: float = 0.0,
     include_comm: bool = True,
     engine: str = "hydra",
+    crosses: np.ndarray | None = None,
 ) -> np.ndarray:
     """Seconds one member of each group spends on its bin (forward plus backward of ``layers`` layers).
 
@@ -74,6 +77,8 @@ def group_times(
         head_share: Share of the LM head's parameters this stage holds.
         include_comm: Include communication bandwidth time and exposed transfers.
         engine: ``"hydra"`` or ``"te-p2p"`` (see :data:`ENGINES`).
+        crosses: Whether each group's ranks span nodes ``[G]`` (``None``: the groups larger than a node; a plan's
+            layout decides in :func:`plan_times`).
 
     Returns:
         ``[G]`` seconds (0 for a group without sequences).
@@ -108,7 +113,8 @@ def group_times(
     a2a = (a2a_bytes * (u - 1) / u / hw.intra_node_bandwidth if include_comm else 0.0) + 4 * layers * hw.a2a_latency
     total_time += np.where(busy & (u > 1), a2a, 0.0)
     kv_bytes = 4 * model.kv_dim * elem + 2 * model.kv_dim * (elem if dkv_bytes is None else dkv_bytes)
-    bw = np.where(d > hw.gpus_per_node, hw.inter_node_bandwidth, hw.intra_node_bandwidth)
+    across = d > hw.gpus_per_node if crosses is None else np.asarray(crosses, dtype=bool)
+    bw = np.where(across, hw.inter_node_bandwidth, hw.intra_node_bandwidth)
     step = kv_bytes / tp * tokens / bw  # one KV block hop of one layer (forward plus backward)
     if not include_comm:
         exposed = np.zeros(n)
@@ -212,9 +218,11 @@ def plan_times(
             seqs.extend(g.seq_ids)
             gids.extend([gid] * len(g.seq_ids))
     seq = np.asarray(seqs, dtype=np.int64)
+    first, last = np.asarray(starts, dtype=np.int64), np.asarray(starts, dtype=np.int64) + np.asarray(sizes) - 1
     per_group = group_times(
         lengths[seq], np.asarray(gids, dtype=np.int64), np.asarray(us), np.asarray(rs), model=model,
         hardware=hardware, layers=layers, tp=tp, head_share=head_share, include_comm=include_comm, engine=engine,
+        crosses=first // hardware.gpus_per_node != last // hardware.gpus_per_node,
     )  # fmt: skip
     times = np.zeros((plan.num_microbatches, plan.world_size))
     leader = np.zeros((plan.num_microbatches, plan.world_size), dtype=np.int64)

@@ -152,6 +152,10 @@ class HydraRuntime(ABC):
         """The cost model plans use now (given, analytic from the module's shape, or calibrated)."""
         if self._cost is None:
             self._cost = model_cost(self.module)
+        if not self._cost.ranks_per_node:
+            # the pool's node size: rings of groups inside a node run on the intra-node link (the plan's layout
+            # keeps such groups inside one node)
+            self._cost = self._cost.replace(ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size))
         return self._cost
 
     @cost_model.setter
