@@ -304,3 +304,51 @@ def test_ring_bandwidth_follows_the_node():
     one_each = (np.array([0, 0]), np.array([1, 1]), np.array([4, 12]), np.array([0, 1]), np.array([0, 1]), 1)
     expected = max(cost.bin_time([3000], 1, 4), cost.bin_time([9000], 1, 12))
     assert span_of(cost, lens, *one_each) == pytest.approx(expected)
+
+
+def test_plan_features_are_bin_features_at_each_groups_link():
+    # what training gathers per rank (the plan's rows) is what bin_features gives each group at its layout's link
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=8)
+    (plan,) = _fine_plans(cost, range(1))
+    rows = plan_features(plan, cost).reshape(plan.num_microbatches, plan.world_size, -1)
+    crossing = 0
+    for m, groups in enumerate(plan.microbatches):
+        for g in groups:
+            crosses = bool(cost.crossing(np.asarray(g.ranks[0]), np.asarray(g.degree)))
+            crossing += crosses and g.degree <= 8 and g.ring > 1
+            lens = [plan.lengths[i] for i in g.seq_ids]
+            np.testing.assert_allclose(
+                rows[m, g.ranks[0]], bin_features(cost, lens, g.ulysses, g.ring, crosses=crosses)
+            )
+    with_default = [bin_features(cost, [9000], 1, 3), bin_features(cost, [9000], 1, 3, crosses=False)]
+    assert with_default[0][8] == pytest.approx(8 * with_default[1][8])  # planned as crossing, inside: 8x faster link
+    assert crossing >= 1  # the layout had to let some ring of 3-7 ranks cross
+
+
+def test_truth_counts_cp_ranks_per_node_under_tensor_parallelism_and_old_state_loads_safely():
+    from lightning_hydra.sim.truth import group_times
+
+    hw = PLAIN.replace(ring_share=1.0)  # 4 devices per node
+
+    def ring_time(tp: int, crosses=None) -> float:
+        return float(group_times(np.array([4000.0]), np.array([0]), np.array([1]), np.array([2]), model=MODEL,
+                                 hardware=hw, layers=2, tp=tp, crosses=crosses)[0])  # fmt: skip
+
+    # 2 CP ranks of 2 devices each fill a node; of 4 devices each they are two nodes
+    assert ring_time(2) == ring_time(2, np.array([False])) < ring_time(2, np.array([True]))
+    assert ring_time(4) == ring_time(4, np.array([True]))
+    # an older checkpoint's cost model: the ring's intra-node link is its all-to-all bandwidth
+    old = CostModel.for_transformer(256, 4, 8, intra_node_bandwidth=3e11).to_dict()
+    del old["intra_node_ring_bandwidth"], old["ranks_per_node"]
+    restored = CostModel.from_dict(old)
+    assert restored.intra_node_ring_bandwidth == 3e11 and restored.ranks_per_node == 0
+    # and an older calibration window (features with every ring at the inter-node link) is dropped, not refitted
+    calibrator = CostCalibrator()
+    calibrator.add(np.ones((3, 10)), np.ones(3), includes_comm=True)
+    state = calibrator.state_dict()
+    fresh = CostCalibrator()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["rows"] == state["rows"]
+    del state["feature_form"]
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["rows"] == []

@@ -20,7 +20,7 @@ from lightning_hydra.data.corpus import PAD_ID, StdlibCorpus
 from lightning_hydra.data.packing import StepBatch, pack_rank, rank_sequences, trained_tokens
 from lightning_hydra.errors import ConfigError, check_bool, check_int
 from lightning_hydra.planner import CostModel, Group, Plan
-from lightning_hydra.planner.calibration import bin_features
+from lightning_hydra.planner.calibration import plan_features
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
@@ -442,11 +442,9 @@ class HydraDataModule(pl.LightningDataModule):
         sequences = {i: source.item(int(indices[i])) for i in mine}
         micro = pack_rank(sequences, plan, rank, self.pad_id, dataset_ids=indices.tolist())
         loads = plan.loads(cost)[:, rank]
-        features = []
-        for m in range(plan.num_microbatches):
-            g = plan.group_of(m, rank)
-            f = bin_features(cost, [plan.lengths[i] for i in g.seq_ids], g.ulysses, g.ring)
-            features.append(tuple(float(x) for x in f))
+        # this rank's rows of the plan's features (each ring at the link its layout gives it)
+        mine_f = plan_features(plan, cost).reshape(plan.num_microbatches, plan.world_size, -1)[:, rank]
+        features = [tuple(float(x) for x in f) for f in mine_f]
         shapes = {(g.ranks, g.ulysses, g.ring) for mb in plan.microbatches for g in mb}
         return StepBatch(
             epoch=epoch,

@@ -46,6 +46,7 @@ from lightning_hydra.planner.plan import Plan
 __all__ = [
     "BUSY",
     "COMM",
+    "FEATURE_FORM",
     "FITTED",
     "NUM_FEATURES",
     "CostCalibrator",
@@ -71,6 +72,9 @@ FITTED = (
 inverse, seconds per all-to-all byte)."""
 NUM_FEATURES = len(FITTED)
 """Features per (rank, microbatch): one per fitted coefficient."""
+FEATURE_FORM = 2
+"""Version of how the features are computed (2: ring traffic at the link of each group's layout; 1: every ring at
+the inter-node link). A checkpointed window of another form is dropped on load."""
 BUSY = np.arange(7)
 """Feature columns of the work a thread timer sees (compute, overheads, collective launches)."""
 COMM = np.arange(7, NUM_FEATURES)
@@ -294,6 +298,7 @@ class CostCalibrator:
         """The window and counters (plain lists, for checkpoints)."""
         return {
             "num_features": NUM_FEATURES,
+            "feature_form": FEATURE_FORM,
             "rows": [
                 [f.tolist(), t.tolist(), None if c is None else c.tolist(), joint] for f, t, c, joint in self._rows
             ],
@@ -303,9 +308,10 @@ class CostCalibrator:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (a window saved with other features is dropped: it cannot be refitted)."""
+        """Inverse of :meth:`state_dict` (a window saved with other features, or features computed another way, is
+        dropped: it cannot be refitted with today's)."""
         self._rows = deque()
-        if state.get("num_features") == NUM_FEATURES:
+        if state.get("num_features") == NUM_FEATURES and state.get("feature_form", 1) == FEATURE_FORM:
             for f, t, c, joint in state["rows"]:
                 self._rows.append(
                     (

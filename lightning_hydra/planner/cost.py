@@ -180,10 +180,13 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, values: dict[str, float]) -> CostModel:
-        """Inverse of :meth:`to_dict` (fields a dict from an older version lacks keep their defaults)."""
+        """Inverse of :meth:`to_dict` (fields a dict from an older version lacks keep their defaults, but the ring's
+        intra-node link defaults to the dict's all-to-all bandwidth, as :meth:`for_transformer` sets it)."""
         values = dict(values)
         if "ranks_per_node" in values:
             values["ranks_per_node"] = int(values["ranks_per_node"])
+        if "intra_node_ring_bandwidth" not in values and "intra_node_bandwidth" in values:
+            values["intra_node_ring_bandwidth"] = values["intra_node_bandwidth"]
         return cls(**values)
 
     def ring_bandwidth(self, degree: ArrayLike, crosses: ArrayLike | None = None) -> ArrayLike:

@@ -104,10 +104,11 @@ class Formation:
     """Microbatches formed."""
     name: str
     """Which candidate this is."""
-    _laid: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    _laid: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
 
     def loads(self, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
-        """Predicted load of every group under ``cost``."""
+        """Predicted load of every group under ``cost``, as planned (before the layout: a ring of a size that does not
+        divide the node counts as crossing one)."""
         k = self.group_class
         return cost.group_loads(lengths[self.seq], self.gid, self.degrees.ulysses[k], self.degrees.ring[k])
 
@@ -188,9 +189,10 @@ def layout(
     largest group of 2 to ``node`` ranks that fits what is left of the node at a multiple of its Ulysses degree
     goes next; where none does, a single rank (or an idle one) fills the gap. So a group that fits a node stays
     inside one and its ring runs on the intra-node link (:meth:`CostModel.ring_bandwidth`). Only when no single or
-    idle rank is left to fill a gap does the largest group that can start there cross a node (its Ulysses blocks
-    stay inside nodes; its ring does not); when none can, the microbatch is laid out contiguously in the given
-    order (valid, but small rings may cross nodes). A microbatch without rings of 2 to ``node`` ranks is laid out
+    idle rank is left to fill a gap does a group that can start there cross a node (its Ulysses blocks stay inside
+    nodes; its ring does not): the largest of those whose size does not divide the node (planning charged them as
+    crossing already), else the largest; when none can start there, the microbatch is laid out contiguously in the
+    given order (valid, but small rings may cross nodes). A microbatch without rings of 2 to ``node`` ranks is laid out
     contiguously in the given order, which keeps every Ulysses-only group inside a node. Where a ring crosses,
     :meth:`CostModel.crossing` of the layout tells the cost model.
 
@@ -260,10 +262,12 @@ def _in_nodes(size: np.ndarray, ulysses: np.ndarray, world_size: int, node: int)
                 idle -= 1
             cursor += 1
             continue
-        if pick < 0:  # no gap filler left: the largest group that can start here crosses the node (its ring)
-            pick = next((m.pop() for z in sizes_desc for u, m in buckets[z] if m and cursor % u == 0), -1)
-            if pick < 0:
+        if pick < 0:  # no gap filler left: a group that can start here crosses the node (its ring); the largest of
+            # those planning already counted as crossing (a size that does not divide the node), else the largest
+            startable = [(z, m) for z in sizes_desc for u, m in buckets[z] if m and cursor % u == 0]
+            if not startable:
                 return None
+            pick = next((m for z, m in startable if node % z), startable[0][1]).pop()
         out[pick] = cursor
         cursor += int(size[pick])
         left -= 1

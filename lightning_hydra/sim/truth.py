@@ -77,8 +77,8 @@ def group_times(
         head_share: Share of the LM head's parameters this stage holds.
         include_comm: Include communication bandwidth time and exposed transfers.
         engine: ``"hydra"`` or ``"te-p2p"`` (see :data:`ENGINES`).
-        crosses: Whether each group's ranks span nodes ``[G]`` (``None``: the groups larger than a node; a plan's
-            layout decides in :func:`plan_times`).
+        crosses: Whether each group's ranks span nodes ``[G]`` (``None``: the groups larger than a node's
+            ``gpus_per_node // tp`` CP ranks; a plan's layout decides in :func:`plan_times`).
 
     Returns:
         ``[G]`` seconds (0 for a group without sequences).
@@ -113,7 +113,8 @@ def group_times(
     a2a = (a2a_bytes * (u - 1) / u / hw.intra_node_bandwidth if include_comm else 0.0) + 4 * layers * hw.a2a_latency
     total_time += np.where(busy & (u > 1), a2a, 0.0)
     kv_bytes = 4 * model.kv_dim * elem + 2 * model.kv_dim * (elem if dkv_bytes is None else dkv_bytes)
-    across = d > hw.gpus_per_node if crosses is None else np.asarray(crosses, dtype=bool)
+    node = max(1, hw.gpus_per_node // tp)  # CP ranks per node: each holds ``tp`` devices
+    across = d > node if crosses is None else np.asarray(crosses, dtype=bool)
     bw = np.where(across, hw.inter_node_bandwidth, hw.intra_node_bandwidth)
     step = kv_bytes / tp * tokens / bw  # one KV block hop of one layer (forward plus backward)
     if not include_comm:
@@ -219,10 +220,11 @@ def plan_times(
             gids.extend([gid] * len(g.seq_ids))
     seq = np.asarray(seqs, dtype=np.int64)
     first, last = np.asarray(starts, dtype=np.int64), np.asarray(starts, dtype=np.int64) + np.asarray(sizes) - 1
+    node = max(1, hardware.gpus_per_node // tp)  # CP ranks per node: each holds ``tp`` devices
     per_group = group_times(
         lengths[seq], np.asarray(gids, dtype=np.int64), np.asarray(us), np.asarray(rs), model=model,
         hardware=hardware, layers=layers, tp=tp, head_share=head_share, include_comm=include_comm, engine=engine,
-        crosses=first // hardware.gpus_per_node != last // hardware.gpus_per_node,
+        crosses=first // node != last // node,
     )  # fmt: skip
     times = np.zeros((plan.num_microbatches, plan.world_size))
     leader = np.zeros((plan.num_microbatches, plan.world_size), dtype=np.int64)

@@ -123,7 +123,7 @@ class HydraRuntime(ABC):
         self.calibrate = calibrate
         self.calibrator = calibrator if calibrator is not None else CostCalibrator()
         self.module: nn.Module | None = None
-        self._cost: CostModel | None = planner_config.cost
+        self._cost: CostModel | None = None if planner_config.cost is None else self._with_node(planner_config.cost)
         self.cost_version = 0
         """Cost-model updates so far (0: the given or analytic model). A plan records the version it used."""
         self.last_record: StepRecord | None = None
@@ -151,17 +151,20 @@ class HydraRuntime(ABC):
     def cost_model(self) -> CostModel:
         """The cost model plans use now (given, analytic from the module's shape, or calibrated)."""
         if self._cost is None:
-            self._cost = model_cost(self.module)
-        if not self._cost.ranks_per_node:
-            # the pool's node size: rings of groups inside a node run on the intra-node link (the plan's layout
-            # keeps such groups inside one node)
-            self._cost = self._cost.replace(ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size))
+            self._cost = self._with_node(model_cost(self.module))
         return self._cost
 
     @cost_model.setter
     def cost_model(self, cost: CostModel) -> None:
-        self._cost = cost
+        self._cost = self._with_node(cost)
         self.cost_version += 1
+
+    def _with_node(self, cost: CostModel) -> CostModel:
+        """``cost`` with the pool's node size where it has none: a ring whose group lies inside a node runs on the
+        intra-node link (a model from an older checkpoint, or one built without the topology, learns it here)."""
+        if cost.ranks_per_node:
+            return cost
+        return cost.replace(ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size))
 
     def degree_rules(self) -> DegreeRules:
         """The degrees the pool allows for the bound module."""
