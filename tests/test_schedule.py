@@ -502,3 +502,19 @@ def test_layout_fills_node_gaps_with_single_ranks_and_crosses_a_node_only_when_n
         4,
         6,
     ]
+
+
+def test_static_is_scored_on_where_its_plan_puts_each_bin():
+    # nodes of 6 ranks: static's aligned groups of 4 on ranks 4-7 or 16-19 span two nodes
+    from lightning_hydra.planner.static import static_layout
+
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=6)
+    lengths = np.array([50000, 40000, 9000, 3000, 2000, 1000] * 4, dtype=np.int64)
+    req = PlanRequest(lengths=lengths, num_microbatches=2, capacity=16384, cost=cost,
+                      rules=DegreeRules(world_size=24, ranks_per_node=6, num_heads=32))  # fmt: skip
+    layout_ = static_layout(req)
+    assert layout_.degree == 4
+    plan = layout_.plan(req)
+    starts = [g.ranks[0] for groups in plan.microbatches for g in sorted(groups, key=lambda g: g.ranks[0])]
+    assert layout_.crosses(req).tolist() == cost.crossing(np.array(starts), np.full(len(starts), 4)).tolist()
+    assert layout_.crosses(req).sum() == 2 * 2  # ranks 4-7 and 16-19, in both microbatches

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_hydra.bench.batches import make_batch
+from lightning_hydra.bench.robust import LLAMA_8B
 from lightning_hydra.planner import CostModel, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, bin_features, plan_features, predict, relative_error
 from lightning_hydra.planner.robust import Scored, choose, ensemble, span_of, spans_of
@@ -74,8 +75,7 @@ def test_truth_family():
 def test_closed_loop_learns_a_truth_of_another_form():
     # the 8B shape on 64 ranks, timed by a truth whose form the analytic model lacks (efficiency curves, per-layer
     # launches, half the ring traffic exposed whatever attention hides, no GQA saving in the all-to-all)
-    model = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
-                       vocab_size=128256)  # fmt: skip
+    model = LLAMA_8B
     hw = truth("worst", 32)
     analytic = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
 
@@ -256,8 +256,7 @@ def test_rings_inside_a_node_and_across_nodes_are_both_learned(node):
     # the truth moves a ring's KV blocks over the intra-node link when its group fits a node and over the
     # inter-node link otherwise; with the node size the model has the same form and calibration fits both kinds
     # of ring; without it (every ring at the inter-node bandwidth) one coefficient cannot fit both
-    model = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
-                       vocab_size=128256)  # fmt: skip
+    model = LLAMA_8B
     hw = truth("share50", 32)
     cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=node)
     calibrator = CostCalibrator()

@@ -70,11 +70,9 @@ def schedule_hydra(req: PlanRequest) -> Plan:
         return spans_of(models, lengths, *flat, req.pipeline_stages, crosses)
 
     # the Megatron-shaped formation, static and mcore bound hydra's own prediction; each scored as laid out (a ring
-    # is charged the link its ranks use; static's bin k of a microbatch is on ranks k * degree onwards)
+    # is charged the link its ranks use)
     scored = [Scored(f.name, spans(*f.flat(), crosses=f.crosses(req)), f.name.endswith("/memory")) for f in formed]
-    bins = np.arange(static.num_bins)
-    static_crosses = req.cost.crossing((bins % static.groups_per_mb) * static.degree, np.full(bins.size, static.degree))
-    scored.append(Scored("static", spans(*static.flat(), crosses=static_crosses), True))
+    scored.append(Scored("static", spans(*static.flat(), crosses=static.crosses(req)), True))
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
     mcore = schedule_mcore_fast(req) if lengths.size * math.sqrt(req.world_size) <= budget else None
     if mcore is not None:

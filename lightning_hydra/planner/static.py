@@ -48,6 +48,11 @@ class StaticLayout:
         r = np.full(self.num_bins, self.ring, dtype=np.int64)
         return mb, u, r, self.seq, self.bin, self.num_microbatches
 
+    def crosses(self, req: PlanRequest) -> np.ndarray:
+        """Whether each bin's group spans nodes (:meth:`CostModel.crossing`), as :meth:`plan` lays it out."""
+        k = np.arange(self.num_bins, dtype=np.int64) % self.groups_per_mb
+        return req.cost.crossing(k * self.degree, np.full(self.num_bins, self.degree))
+
     def plan(self, req: PlanRequest) -> Plan:
         """The :class:`Plan`: bin ``k`` of a microbatch on ranks ``k * degree`` onwards; idle ranks fill the rest."""
         cuts = np.searchsorted(self.bin, np.arange(self.num_bins + 1)).tolist()
