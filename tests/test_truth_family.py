@@ -351,3 +351,47 @@ def test_truth_counts_cp_ranks_per_node_under_tensor_parallelism_and_old_state_l
     del state["feature_form"]
     fresh.load_state_dict(state)
     assert fresh.state_dict()["rows"] == []
+
+
+@pytest.mark.parametrize("mcore_budget", [None, 0])
+def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget):
+    """The plans a benchmark times as hydra's candidates are the ones it chose from: the chosen plan is among them,
+    group for group, and ``mcore`` is among them exactly when it is within the budget."""
+    from lightning_hydra.planner import DegreeRules, PlanRequest
+    from lightning_hydra.planner.hydra import candidate_plans
+
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
+    batch = make_batch("lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=5)
+    rules = DegreeRules(world_size=64, ranks_per_node=8, num_heads=32)
+    req = PlanRequest(
+        lengths=batch, num_microbatches=8, capacity=4096, cost=cost, rules=rules, max_seq_len=32768,
+        mcore_budget=mcore_budget,
+    )  # fmt: skip
+    plans = candidate_plans(req)
+    chosen = schedule(
+        batch, world_size=64, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, num_heads=32,
+        max_seq_len=32768, mcore_budget=mcore_budget,
+    )  # fmt: skip
+    assert set(plans) == {"pow2/load", "fine/load", "pow2/memory", "static"} | (
+        {"mcore"} if mcore_budget is None else set()
+    )
+    same = plans[str(chosen.stats["candidate"])]
+    for mine, theirs in zip(same.flat(), chosen.flat(), strict=True):
+        assert np.array_equal(np.asarray(mine), np.asarray(theirs))
+
+
+def test_robustness_cells_bound_hydra_by_its_best_candidate():
+    """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
+    summary and tables carry it."""
+    from lightning_hydra.bench.robust import markdown, run_pool, summarize
+
+    cells = run_pool(64, "256K", "lognormal", ["base", "share50"], steps=2, evaluations=1)
+    for cell in cells:
+        cal = cell["calibrated"]
+        assert cal["best_candidate_over_mcore"] >= cal["hydra_over_mcore"]
+        assert len(cal["best_candidates"]) == 1
+    summary = summarize(cells)["256K"]
+    assert summary["worst_best_candidate_over_mcore"] == min(
+        c["calibrated"]["best_candidate_over_mcore"] for c in cells
+    )
+    assert "best candidate / mcore there" in markdown(cells)

@@ -27,7 +27,7 @@ from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import Scored, choose, ensemble, spans_of
 from lightning_hydra.planner.static import static_layout
 
-__all__ = ["CANDIDATES", "MCORE_BUDGET", "candidates", "schedule_hydra"]
+__all__ = ["CANDIDATES", "MCORE_BUDGET", "candidate_plans", "candidates", "schedule_hydra"]
 
 CANDIDATES = (("pow2", True), ("fine", True), ("pow2", False))
 """Formations tried: ``(degree set, load-driven degrees)``; ``("pow2", False)`` is the Megatron-shaped baseline."""
@@ -73,8 +73,7 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     # is charged the link its ranks use)
     scored = [Scored(f.name, spans(*f.flat(), crosses=f.crosses(req)), f.name.endswith("/memory")) for f in formed]
     scored.append(Scored("static", spans(*static.flat(), crosses=static.crosses(req)), True))
-    budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
-    mcore = schedule_mcore_fast(req) if lengths.size * math.sqrt(req.world_size) <= budget else None
+    mcore = _mcore_candidate(req)
     if mcore is not None:
         mb, start, u, r, seq, gid = mcore.flat()
         crosses = req.cost.crossing(start, u * r)
@@ -90,3 +89,27 @@ def schedule_hydra(req: PlanRequest) -> Plan:
         plan.stats = stats
         return plan
     return formed[pick].plan(req, **stats)
+
+
+def _mcore_candidate(req: PlanRequest) -> Plan | None:
+    """Megatron's own placement when the batch is within the budget (:data:`MCORE_BUDGET`), else ``None``."""
+    budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
+    return schedule_mcore_fast(req) if req.lengths.size * math.sqrt(req.world_size) <= budget else None
+
+
+def candidate_plans(req: PlanRequest) -> dict[str, Plan]:
+    """Every plan :func:`schedule_hydra` chooses from, by candidate name: the formations of :func:`candidates`, the
+    ``static`` plan and, within the budget, ``mcore``'s placement.
+
+    For benchmarks: timed under a cost truth, the best of them bounds what any choice among these candidates could
+    reach, which tells a choice that missed the best candidate from candidates that all fall short.
+
+    Args:
+        req: The validated request (as :func:`~lightning_hydra.planner.schedule` builds it).
+    """
+    plans = {f.name: f.plan(req) for f in candidates(req)}
+    plans["static"] = static_layout(req).plan(req)
+    mcore = _mcore_candidate(req)
+    if mcore is not None:
+        plans["mcore"] = mcore
+    return plans
