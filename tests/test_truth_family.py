@@ -395,3 +395,27 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
         c["calibrated"]["best_candidate_over_mcore"] for c in cells
     )
     assert "best candidate / mcore there" in markdown(cells)
+
+
+def test_megatrons_plan_is_kept_unless_beaten_by_the_margin(monkeypatch):
+    """Within the budget hydra keeps mcore's placement unless its pick is predicted MCORE_MARGIN faster: on a batch
+    where the memory-driven formation is predicted 0.1% faster (a per-microbatch cost makes mcore's dense packing
+    competitive), mcore's plan is kept; without the margin the other would be."""
+    import lightning_hydra.planner.hydra as hydra
+    from lightning_hydra.bench.schedule import llama8b_cost
+
+    cost = llama8b_cost().replace(bin_overhead=0.035)
+    kw = dict(world_size=64, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, num_heads=32, max_seq_len=32768)
+    for seed in range(1, 4):
+        batch = make_batch(
+            "lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=seed
+        )
+        stats = schedule(batch, **kw).stats
+        pick = str(stats["candidate"])
+        assert pick == "mcore" or stats[f"span/{pick}"] <= stats["span/mcore"] * (1 - hydra.MCORE_MARGIN), seed
+    batch = make_batch("lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=1)
+    kept = schedule(batch, **kw).stats
+    assert kept["candidate"] == "mcore"
+    monkeypatch.setattr(hydra, "MCORE_MARGIN", 0.0)
+    other = schedule(batch, **kw).stats
+    assert other["candidate"] != "mcore" and other[f"span/{other['candidate']}"] < other["span/mcore"]
