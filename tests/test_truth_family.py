@@ -382,11 +382,12 @@ def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget):
 
 def test_robustness_cells_bound_hydra_by_its_best_candidate():
     """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
-    summary and tables carry it."""
+    summary and tables carry it; batches may hold another share of the pool's tokens."""
     from lightning_hydra.bench.robust import markdown, run_pool, summarize
 
-    cells = run_pool(64, "256K", "lognormal", ["base", "share50"], steps=2, evaluations=1)
+    cells = run_pool(64, "256K", "lognormal", ["base", "share50"], steps=2, evaluations=1, fill=0.6)
     for cell in cells:
+        assert cell["fill"] == 0.6  # a fill other than the default is named
         cal = cell["calibrated"]
         assert cal["best_candidate_over_mcore"] >= cal["hydra_over_mcore"]
         assert len(cal["best_candidates"]) == 1

@@ -5,6 +5,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust                  # pools of 64 and 512 ranks
     python -m lightning_hydra.bench.robust --full           # adds 2,048 ranks (mcore takes minutes per batch there)
     python -m lightning_hydra.bench.robust --markdown t.md  # also writes the README's tables
+    python -m lightning_hydra.bench.robust --fill 0.9       # batches at 90% of the pool's tokens (default 75%)
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -84,10 +85,10 @@ def _best_candidate(lengths: np.ndarray, cost: CostModel, hw: Hardware, world: i
     return name, scores[name]
 
 
-def _batches(dist: str, world: int, context: str, seeds: range) -> list[np.ndarray]:
+def _batches(dist: str, world: int, context: str, seeds: range, fill: float = 0.75) -> list[np.ndarray]:
     longest, capacity = CONTEXTS[context]
     return [
-        make_batch(dist, world_size=world, capacity=capacity, num_microbatches=8, fill=0.75, context=longest, seed=s)
+        make_batch(dist, world_size=world, capacity=capacity, num_microbatches=8, fill=fill, context=longest, seed=s)
         for s in seeds
     ]
 
@@ -105,17 +106,20 @@ def _closed_loop(batches: list[np.ndarray], hw: Hardware, world: int, context: s
 
 
 def run_pool(
-    world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int
+    world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int, fill: float = 0.75
 ) -> list[dict[str, Any]]:
-    """Every truth's cell for one pool, context and distribution (baselines planned once)."""
-    held_out = _batches(dist, world, context, range(1000, 1000 + evaluations))
-    loop = _batches(dist, world, context, range(2000, 2000 + steps))
+    """Every truth's cell for one pool, context and distribution (baselines planned once); batches hold ``fill`` of
+    the pool's tokens over 8 microbatches."""
+    held_out = _batches(dist, world, context, range(1000, 1000 + evaluations), fill)
+    loop = _batches(dist, world, context, range(2000, 2000 + steps), fill)
     analytic = llama8b_cost()
     fixed = {p: [_plan(b, p, analytic, world, context) for b in held_out] for p in ("mcore", "static", "hydra")}
     cells = []
     for name in truths:
         hw = truth(name, LLAMA_8B.num_layers)
         cell: dict[str, Any] = {"world_size": world, "context": context, "distribution": dist, "truth": name}
+        if fill != 0.75:
+            cell["fill"] = fill
         eff = {p: statistics.fmean(efficiency(plan, hw)[0] for plan, _ in runs) for p, runs in fixed.items()}
         cell["uncalibrated"] = {
             **{p: round(v, 4) for p, v in eff.items()},
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--truths", nargs="*", default=list(TRUTHS), choices=list(TRUTHS))
     parser.add_argument("--steps", type=int, default=8, help="closed-loop steps before the calibrated evaluation")
     parser.add_argument("--evaluations", type=int, default=2, help="held-out batches per cell (1 at 2,048 ranks)")
+    parser.add_argument("--fill", type=float, default=0.75, help="share of the pool's tokens a batch holds")
     parser.add_argument("--markdown", default=None, help="write the README tables to this file")
     args = parser.parse_args(argv)
     sizes = args.world_sizes or ([64, 512, 2048] if args.full else [64, 512])
@@ -235,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.contexts:
             for dist in args.distributions:
                 evaluations = 1 if world >= 2048 else args.evaluations
-                cells += run_pool(world, context, dist, args.truths, steps=args.steps, evaluations=evaluations)
+                cells += run_pool(
+                    world, context, dist, args.truths, steps=args.steps, evaluations=evaluations, fill=args.fill
+                )
     summary = {"summary": summarize(cells), "seconds": round(time.perf_counter() - start, 1), "load": os.getloadavg()}
     print(json.dumps(summary), flush=True)
     if args.markdown:
