@@ -353,15 +353,18 @@ def test_truth_counts_cp_ranks_per_node_under_tensor_parallelism_and_old_state_l
     assert fresh.state_dict()["rows"] == []
 
 
-@pytest.mark.parametrize("mcore_budget", [None, 0])
-def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget):
+@pytest.mark.parametrize(("mcore_budget", "bin_overhead", "seed"), [(None, 0.0, 5), (0, 0.0, 5), (None, 0.035, 1)])
+def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget, bin_overhead, seed):
     """The plans a benchmark times as hydra's candidates are the ones it chose from: the chosen plan is among them,
-    group for group, and ``mcore`` is among them exactly when it is within the budget."""
+    group for group (a formation's, and mcore's where hydra keeps it), and ``mcore`` is among them exactly when it is
+    within the budget."""
     from lightning_hydra.planner import DegreeRules, PlanRequest
     from lightning_hydra.planner.hydra import candidate_plans
 
-    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
-    batch = make_batch("lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=5)
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256).replace(bin_overhead=bin_overhead)
+    batch = make_batch(
+        "lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=seed
+    )
     rules = DegreeRules(world_size=64, ranks_per_node=8, num_heads=32)
     req = PlanRequest(
         lengths=batch, num_microbatches=8, capacity=4096, cost=cost, rules=rules, max_seq_len=32768,
@@ -378,13 +381,24 @@ def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget):
     same = plans[str(chosen.stats["candidate"])]
     for mine, theirs in zip(same.flat(), chosen.flat(), strict=True):
         assert np.array_equal(np.asarray(mine), np.asarray(theirs))
+    if bin_overhead:  # the batch where hydra keeps mcore's plan by the margin
+        assert chosen.stats["candidate"] == "mcore"
 
 
 def test_robustness_cells_bound_hydra_by_its_best_candidate():
     """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
     summary and tables carry it; batches may hold another share of the pool's tokens."""
-    from lightning_hydra.bench.robust import markdown, run_pool, summarize
+    from lightning_hydra.bench.robust import _batches, _plan, _request, markdown, run_pool, summarize
+    from lightning_hydra.planner.hydra import candidate_plans
 
+    # the benchmark's candidates are planned from the request its hydra plan came from
+    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
+    for context in ("256K", "32K"):
+        batch = _batches("pareto", 64, context, range(3, 4))[0]
+        plan, _ = _plan(batch, "hydra", cost, 64, context)
+        same = candidate_plans(_request(batch, cost, 64, context))[str(plan.stats["candidate"])]
+        for mine, theirs in zip(same.flat(), plan.flat(), strict=True):
+            assert np.array_equal(np.asarray(mine), np.asarray(theirs))
     cells = run_pool(64, "256K", "lognormal", ["base", "share50"], steps=2, evaluations=1, fill=0.6)
     for cell in cells:
         assert cell["fill"] == 0.6  # a fill other than the default is named

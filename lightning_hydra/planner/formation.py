@@ -50,10 +50,11 @@ DEGREE_SETS = ("pow2", "fine", "node")
 DENSE_FILL = 0.8
 """Share of the pool's tokens the dense level assumes a microbatch can hold. Aiming higher (0.88 before) set levels
 that the placement, bound by tokens, reached only on the multi-rank groups: ranks full of short sequences stayed
-below them, and the calibrated model and the truths both scored the plans lower (measured on held-out batches at
-75%, 50% and 90% fill, 32K and 256K contexts: hydra's worst cell against mcore under the truth rose at every fill
-from 0.88 to any of 0.75-0.82; at 90% fill the 256K mean fell by 1%, the fine candidate doing better at 0.88 there;
-see the README's robustness section)."""
+below them, and the calibrated model and the truths both scored the plans lower (measured on ten calibrated cells at
+50%, 75% and 90% fill: hydra's worst cell against mcore under the truth rose from 0.88 to any of 0.75-0.82 at
+every fill at 256K and at 50% and 75% at 32K, where at 90% the even level binds and nothing changed; on the
+robustness benchmark at 90% fill the 256K mean fell by 1%, the fine candidate doing better at 0.88 there; see the
+README's robustness section)."""
 
 
 @dataclass(frozen=True)

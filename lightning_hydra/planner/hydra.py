@@ -10,7 +10,8 @@ Per global batch, several candidate plans are formed and the most robust one is 
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
   planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore); where
   Megatron's placement is a candidate it is kept unless the winner is predicted at least :data:`MCORE_MARGIN`
-  faster.
+  faster (it may then be predicted up to that margin slower than the memory-driven formation, never slower than
+  static or mcore).
 
 Each formation costs ``O(n log N)`` with the single-rank bulk placed in vectorised rounds; no step scans the pool
 per sequence.
@@ -26,7 +27,7 @@ from lightning_hydra.planner.formation import DegreeSet, Formation, _Tables, for
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
-from lightning_hydra.planner.robust import Scored, choose, ensemble, spans_of
+from lightning_hydra.planner.robust import TIE, Scored, choose, ensemble, spans_of
 from lightning_hydra.planner.static import static_layout
 
 __all__ = ["CANDIDATES", "MCORE_BUDGET", "MCORE_MARGIN", "candidate_plans", "candidates", "schedule_hydra"]
@@ -45,9 +46,11 @@ its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, 
 
 MCORE_MARGIN = 0.005
 """Where Megatron's own placement is a candidate, hydra keeps it unless the chosen candidate is predicted at least
-this much faster under the planner's own model: a gain within the calibrated model's resolution is not worth leaving
-the baseline's plan, whose balance holds under any model (after calibration the model's spans are within about 0.5%
-of the robustness truths'; a smaller predicted gain came out as a loss of up to 0.1% under them)."""
+this much faster under the planner's own model (and as long as static's is not predicted faster than it): a gain
+within the calibrated model's resolution is not worth leaving the baseline's plan, whose balance holds under any
+model. In the robustness grid, candidates predicted less than 0.5% faster than mcore's plan (predicted step time,
+not per-rank time) came out up to 0.1% slower under the truths. Keeping mcore's plan may leave hydra's predicted
+time up to this margin above its own memory-driven formation's; never above mcore's or static's."""
 
 
 def candidates(req: PlanRequest) -> list[Formation]:
@@ -66,7 +69,8 @@ def candidates(req: PlanRequest) -> list[Formation]:
 
 
 def schedule_hydra(req: PlanRequest) -> Plan:
-    """Load-driven plan: the most robust of the candidate formations and the static plan.
+    """Load-driven plan: the most robust of the candidate formations, the static plan and, within the budget,
+    Megatron's placement (kept unless beaten by :data:`MCORE_MARGIN`).
 
     The plan's ``stats`` name the chosen candidate and carry every candidate's predicted span and regret.
     """
@@ -89,8 +93,8 @@ def schedule_hydra(req: PlanRequest) -> Plan:
         scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches, crosses=crosses), True))
     pick, regret = choose(scored)
     if mcore is not None and scored[pick].name != "mcore":
-        own = scored[-1].spans[0]  # mcore's, scored last
-        if scored[pick].spans[0] > own * (1 - MCORE_MARGIN):
+        own, static_own = scored[-1].spans[0], scored[len(formed)].spans[0]  # mcore's (scored last) and static's
+        if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):
             pick = len(scored) - 1
     stats: dict[str, float | str] = {"candidate": scored[pick].name}
     for s in scored:
