@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_hydra.bench.batches import make_batch
+from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
 from lightning_hydra.planner.formation import REACH, DegreeSet, form, layout
 from lightning_hydra.planner.request import PlanRequest
@@ -440,7 +441,7 @@ def test_many_short_sequences_fill_the_asked_microbatches(
 
 @pytest.mark.parametrize(("dist", "context", "capacity"), [("pareto", 262144, 16384), ("lognormal", 32768, 4096)])
 def test_plans_charge_each_ring_the_link_its_layout_gives_it(dist, context, capacity):
-    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=8)
+    cost = llama8b_cost()
     inside = 0
     for seed in range(3):
         batch = make_batch(dist, world_size=64, capacity=capacity, num_microbatches=8, fill=0.75, context=context,

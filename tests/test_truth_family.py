@@ -10,6 +10,7 @@ import torch
 
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.bench.robust import LLAMA_8B
+from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, bin_features, plan_features, predict, relative_error
 from lightning_hydra.planner.robust import Scored, choose, ensemble, span_of, spans_of
@@ -307,7 +308,7 @@ def test_ring_bandwidth_follows_the_node():
 
 def test_plan_features_are_bin_features_at_each_groups_link():
     # what training gathers per rank (the plan's rows) is what bin_features gives each group at its layout's link
-    cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=8)
+    cost = llama8b_cost()
     (plan,) = _fine_plans(cost, range(1))
     rows = plan_features(plan, cost).reshape(plan.num_microbatches, plan.world_size, -1)
     crossing = 0
@@ -417,7 +418,6 @@ def test_megatrons_plan_is_kept_unless_beaten_by_the_margin(monkeypatch):
     where the memory-driven formation is predicted 0.1% faster (a per-microbatch cost makes mcore's dense packing
     competitive), mcore's plan is kept; without the margin the other would be."""
     import lightning_hydra.planner.hydra as hydra
-    from lightning_hydra.bench.schedule import llama8b_cost
 
     cost = llama8b_cost().replace(bin_overhead=0.035)
     kw = dict(world_size=64, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, num_heads=32, max_seq_len=32768)
