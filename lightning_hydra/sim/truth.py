@@ -219,7 +219,8 @@ def plan_times(
             seqs.extend(g.seq_ids)
             gids.extend([gid] * len(g.seq_ids))
     seq = np.asarray(seqs, dtype=np.int64)
-    first, last = np.asarray(starts, dtype=np.int64), np.asarray(starts, dtype=np.int64) + np.asarray(sizes) - 1
+    first = np.asarray(starts, dtype=np.int64)
+    last = first + np.asarray(sizes, dtype=np.int64) - 1
     node = max(1, hardware.gpus_per_node // tp)  # CP ranks per node: each holds ``tp`` devices
     per_group = group_times(
         lengths[seq], np.asarray(gids, dtype=np.int64), np.asarray(us), np.asarray(rs), model=model,
