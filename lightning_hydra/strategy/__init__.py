@@ -10,11 +10,18 @@
 - :mod:`~lightning_hydra.strategy.checks`: pool shape and plan digest checks.
 """
 
-from lightning_hydra.strategy.checks import check_digests, check_pool
-from lightning_hydra.strategy.gradients import GradientReducer
-from lightning_hydra.strategy.pool import PoolRuntime
-from lightning_hydra.strategy.runtime import GradientSync, HydraRuntime, LocalRuntime
-from lightning_hydra.strategy.strategy import HydraStrategy
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_hydra._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lightning_hydra.strategy.checks import check_digests, check_pool
+    from lightning_hydra.strategy.gradients import GradientReducer
+    from lightning_hydra.strategy.pool import PoolRuntime
+    from lightning_hydra.strategy.runtime import GradientSync, HydraRuntime, LocalRuntime
+    from lightning_hydra.strategy.strategy import HydraStrategy
 
 __all__ = [
     "GradientReducer",
@@ -26,3 +33,17 @@ __all__ = [
     "check_digests",
     "check_pool",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "GradientReducer": "lightning_hydra.strategy.gradients",
+        "GradientSync": "lightning_hydra.strategy.runtime",
+        "HydraRuntime": "lightning_hydra.strategy.runtime",
+        "HydraStrategy": "lightning_hydra.strategy.strategy",
+        "LocalRuntime": "lightning_hydra.strategy.runtime",
+        "PoolRuntime": "lightning_hydra.strategy.pool",
+        "check_digests": "lightning_hydra.strategy.checks",
+        "check_pool": "lightning_hydra.strategy.checks",
+    },
+)
