@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -433,7 +434,8 @@ def test_many_short_sequences_fill_the_asked_microbatches(
     lengths = np.full(count, length, dtype=np.int64)
     assert count * length <= 0.9 * world * capacity * microbatches
     req = _request(lengths, cost, world, capacity, microbatches)
-    assert [f.num_microbatches for f in candidates(req)] == [microbatches] * 3
+    formed = candidates(req)
+    assert len(formed) >= 3 and [f.num_microbatches for f in formed] == [microbatches] * len(formed)
     assert _run(lengths, "hydra", cost, world=world, capacity=capacity, microbatches=microbatches).num_microbatches == (
         microbatches
     )
@@ -519,3 +521,33 @@ def test_static_is_scored_on_where_its_plan_puts_each_bin():
     starts = [g.ranks[0] for groups in plan.microbatches for g in sorted(groups, key=lambda g: g.ranks[0])]
     assert layout_.crosses(req).tolist() == cost.crossing(np.array(starts), np.full(len(starts), 4)).tolist()
     assert layout_.crosses(req).sum() == 2 * 2  # ranks 4-7 and 16-19, in both microbatches
+
+
+def test_lifted_formations_raise_fewer_degrees_and_stay_within_their_budget(monkeypatch) -> None:
+    """Within ``LIFT_BUDGET`` hydra also forms power-of-two plans whose degrees are chosen at ``LIFTS`` times the
+    level: on a fixed 256K batch each lift spends fewer ranks per token than the one below it and no fewer than the
+    memory-driven plan; every one is a valid plan of the whole batch; above the budget none is formed."""
+    import lightning_hydra.planner.hydra as hydra
+
+    cost = llama8b_cost()
+    batch = make_batch(
+        "lognormal", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=0
+    )
+    req = _request(batch, cost, 64, 16384, 8)
+    formed = {f.name: f for f in hydra.candidates(req)}
+    lifted = [f"pow2/load/x{lift:g}" for lift in hydra.LIFTS]
+    assert lifted and set(lifted) <= set(formed)
+
+    def ranks_per_token(name: str) -> float:
+        plan = formed[name].plan(req)
+        plan.check(batch.tolist(), 16384)  # every sequence once, within capacity, groups aligned
+        return float((plan.sequence_degrees() * batch).sum() / batch.sum())
+
+    ladder = [ranks_per_token(name) for name in ["pow2/load", *lifted]]
+    assert all(a > b for a, b in itertools.pairwise(ladder)), ladder
+    assert ladder[-1] >= ranks_per_token("pow2/memory")
+
+    monkeypatch.setattr(hydra, "LIFT_BUDGET", batch.size * math.sqrt(64) - 1)
+    assert not {f.name for f in hydra.candidates(req)} & set(lifted)
+    monkeypatch.setattr(hydra, "LIFT_BUDGET", batch.size * math.sqrt(64))
+    assert set(lifted) <= {f.name for f in hydra.candidates(req)}

@@ -388,11 +388,12 @@ def _prefix_within(values: np.ndarray, index: np.ndarray, budget: float) -> int:
 
 def _microbatch(
     tab: _Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool,
-    even: bool = False,
+    even: bool = False, lift: float = 1.0,
 ) -> tuple[_Formed, np.ndarray]:  # fmt: skip
     """Form one microbatch from ``remaining`` (heaviest first) with ``left`` microbatches still to come (this one
     included); return it and the sequences that wait. ``even``: the level is the remaining work spread evenly
-    (no dense term), so that every microbatch aims at the same maximum."""
+    (no dense term), so that every microbatch aims at the same maximum. ``lift``: raised degrees are chosen at this
+    multiple of the level (see :func:`form`)."""
     cost, n_ranks, cap = req.cost, req.world_size, req.capacity
     work = tab.work_min[remaining]
     level = float(work.sum()) / n_ranks / max(left, 1)
@@ -401,7 +402,7 @@ def _microbatch(
         level = max(level, float(work[:fill].sum()) / n_ranks)
     col = tab.column[remaining]
     multi_cols = col[col >= 0]
-    kdeg = tab.classes_at(level, raise_degrees, multi_cols) if multi_cols.size else multi_cols
+    kdeg = tab.classes_at(level * lift, raise_degrees, multi_cols) if multi_cols.size else multi_cols
     above = kdeg > 0
     multi_cols, kdeg = multi_cols[above], kdeg[above]
     tallest = float(tab.cost_at(kdeg, multi_cols).max()) if multi_cols.size else 0.0
@@ -412,7 +413,7 @@ def _microbatch(
     else:
         single = remaining
     tallest = max(tallest, float(tab.cost_min[single].max()) if single.size else 0.0)
-    if raise_degrees and tallest > level * (1 + 1e-9) and multi_cols.size:
+    if raise_degrees and tallest > level * lift * (1 + 1e-9) and multi_cols.size:
         kdeg = tab.classes_at(tallest, raise_degrees, multi_cols)
     level = max(level, tallest)
     heaviest = descending_order(tab.cost_at(kdeg, multi_cols))
@@ -437,8 +438,9 @@ def _microbatch(
 
 
 def form(
-    req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Tables | None = None, even: bool = False
-) -> Formation:
+    req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Tables | None = None, even: bool = False,
+    lift: float = 1.0,
+) -> Formation:  # fmt: skip
     """Form the microbatches of one candidate (see the module docstring).
 
     After the last microbatch, the last two are formed again as one (everything must go in) when that lowers
@@ -452,6 +454,11 @@ def form(
         even: Shape the microbatches for a pipeline: every microbatch aims at the remaining work spread evenly
             over the remaining microbatches (no dense level), and the last two are never merged (fewer
             microbatches raise a pipeline's warm-up and cool-down share).
+        lift: With ``raise_degrees``, choose every sequence's degree at this multiple of the microbatch's level
+            (``1``: the smallest class at or under the level). Above 1, fewer sequences are raised and the level
+            rises to the tallest of them: less ring traffic, more room for the rest to fill. Between the
+            load-driven (``1``) and the memory-driven formation (no raise), for truths where rings cost more than
+            the planner's model charges.
 
     Returns:
         The candidate as flat arrays.
@@ -469,7 +476,7 @@ def form(
     formed: list[_Formed] = []
     while remaining.size:
         m = len(formed)
-        mb, waiting = _microbatch(tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees, even)
+        mb, waiting = _microbatch(tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees, even, lift)
         if m >= asked - 1 and waiting.size == remaining.size:
             raise RuntimeError("formation made no progress")  # pragma: no cover - capacity was checked upstream
         formed.append(mb)
@@ -477,7 +484,7 @@ def form(
     if len(formed) >= 2 and not even:
         both = np.concatenate([formed[-2].seq, formed[-1].seq])
         both = both[np.argsort(-tab.cost_min[both], kind="stable")]
-        mb, waiting = _microbatch(tab, ds, req, both, 1, True, raise_degrees)
+        mb, waiting = _microbatch(tab, ds, req, both, 1, True, raise_degrees, lift=lift)
         if waiting.size == 0 and mb.top < formed[-2].top + formed[-1].top:
             formed[-2:] = [mb]
     offsets = np.cumsum([0] + [f.classes.size for f in formed])
@@ -488,5 +495,7 @@ def form(
         seq=np.concatenate([f.seq for f in formed]).astype(np.int64),
         gid=np.concatenate([f.gid + o for f, o in zip(formed, offsets, strict=False)]).astype(np.int64),
         num_microbatches=max(len(formed), asked),
-        name=f"{ds.name}/{'load' if raise_degrees else 'memory'}" + ("/even" if even else ""),
+        name=f"{ds.name}/{'load' if raise_degrees else 'memory'}"
+        + ("/even" if even else "")
+        + (f"/x{lift:g}" if raise_degrees and lift != 1.0 else ""),
     )

@@ -4,8 +4,9 @@ Per global batch, several candidate plans are formed and the most robust one is 
 
 - **Candidates** (:mod:`lightning_hydra.planner.formation`): dense microbatches with load-driven degrees from the
   power-of-two and the fine degree sets, dense microbatches at Megatron's memory-driven power-of-two degrees
-  (Megatron-shaped, without its whole-pool scans), the ``static`` plan, and up to :data:`MCORE_BUDGET` Megatron's
-  own placement (:mod:`lightning_hydra.planner.mcore_fast`).
+  (Megatron-shaped, without its whole-pool scans), the ``static`` plan, up to :data:`LIFT_BUDGET` power-of-two
+  formations whose degrees are chosen at :data:`LIFTS` times the level (fewer raised degrees, less ring traffic),
+  and up to :data:`MCORE_BUDGET` Megatron's own placement (:mod:`lightning_hydra.planner.mcore_fast`).
 - **Choice** (:mod:`lightning_hydra.planner.robust`): every candidate is scored under the planner's model and
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
   planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore); where
@@ -30,10 +31,28 @@ from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import TIE, Scored, choose, ensemble, spans_of
 from lightning_hydra.planner.static import static_layout
 
-__all__ = ["CANDIDATES", "MCORE_BUDGET", "MCORE_MARGIN", "candidate_plans", "candidates", "schedule_hydra"]
+__all__ = [
+    "CANDIDATES",
+    "LIFTS",
+    "LIFT_BUDGET",
+    "MCORE_BUDGET",
+    "MCORE_MARGIN",
+    "candidate_plans",
+    "candidates",
+    "schedule_hydra",
+]
 
 CANDIDATES = (("pow2", True), ("fine", True), ("pow2", False))
 """Formations tried: ``(degree set, load-driven degrees)``; ``("pow2", False)`` is the Megatron-shaped baseline."""
+LIFTS = (1.1, 1.25, 1.5)
+"""Lifts of the extra power-of-two load-driven formations (:func:`~lightning_hydra.planner.formation.form`'s
+``lift``): degrees chosen at these multiples of each microbatch's level, between the load-driven formation (fewest
+ranks idle, most ring traffic) and the memory-driven one. Where the truth charges rings more than the planner's
+analytic model (exposed ring traffic, slower links), calibration finds it and one of these wins."""
+LIFT_BUDGET = 131072
+"""Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
+what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
+batches, whose planning time they would double."""
 MCORE_BUDGET = 32768
 """Largest ``sequences * sqrt(ranks)`` for which Megatron's own placement is also a candidate, computed by
 :mod:`lightning_hydra.planner.mcore_fast` (the baseline's plan without its whole-pool scans; it still costs one
@@ -55,7 +74,8 @@ time up to this margin above its own memory-driven formation's; never above mcor
 
 def candidates(req: PlanRequest) -> list[Formation]:
     """The formations of :data:`CANDIDATES` (cost tables shared per degree set); with pipeline stages also the
-    load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum, none merged)."""
+    load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum, none merged); within
+    :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`."""
     tables: dict[str, _Tables] = {}
     out = []
     for name, load_driven in CANDIDATES:
@@ -65,6 +85,10 @@ def candidates(req: PlanRequest) -> list[Formation]:
         out.append(form(req, ds, raise_degrees=load_driven, tables=tables[name]))
         if req.pipeline_stages > 1 and load_driven:
             out.append(form(req, ds, raise_degrees=True, tables=tables[name], even=True))
+    if req.lengths.size * math.sqrt(req.world_size) <= LIFT_BUDGET:
+        ds = DegreeSet.build(req.rules, "pow2")
+        tab = tables["pow2"] if "pow2" in tables else _Tables(req, ds)
+        out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
     return out
 
 
