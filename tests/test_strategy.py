@@ -207,3 +207,19 @@ def test_resume_continues_with_the_same_batches(tmp_path: Path) -> None:
     for a, b in zip(first + rest, full, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     assert len({r["epoch"] for r in full}) > 1  # the run crosses an epoch boundary
+
+
+def test_cost_model_before_setup_has_the_node_size_the_pool_will_give_it() -> None:
+    """Read before ``fit``, the strategy's cost model already knows the node size its plans will use (the given
+    model's own where it has one), so that it predicts rings inside a node on the intra-node link."""
+    from lightning_hydra.planner import CostModel
+
+    bare = CostModel.for_transformer(128, 4, 4, 2, 256, 258)
+    assert bare.ranks_per_node == 0
+    own = bare.replace(ranks_per_node=4)
+    # (the strategy's ranks per node, the given model, what plans will use): 2 of the 4 ranks; a node of 8 holds the
+    # whole pool of 4; a model with its own node size keeps it
+    for ranks_per_node, cost, expected in ((2, bare, bare.replace(ranks_per_node=2)), (8, bare, own), (2, own, own)):
+        strategy = HydraStrategy(ranks_per_node=ranks_per_node, cost=cost, start_method="spawn", kernel="cpu")
+        pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False)
+        assert strategy.cost_model == expected

@@ -535,14 +535,20 @@ class HydraStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ what the monitor and users read
     @property
     def cost_model(self) -> CostModel:
-        """The cost model plans use now (given, analytic from the model's shape, or calibrated)."""
+        """The cost model plans use now (given, analytic from the model's shape, or calibrated). Before setup, a model
+        without a node size gets the one the pool will give it (the runtime's), so that it predicts what plans will
+        use: a ring inside a node runs on the intra-node link."""
         if self.runtime is not None:
             return self.runtime.cost_model
-        if self.planner_config.cost is not None:
-            return self.planner_config.cost
-        from lightning_hydra.strategy.runtime import model_cost
+        cost = self.planner_config.cost
+        if cost is None:
+            from lightning_hydra.strategy.runtime import model_cost
 
-        return model_cost(self.lightning_module)
+            cost = model_cost(self.lightning_module)
+        if cost.ranks_per_node:
+            return cost
+        pool = max(self.world_size // self.pipeline_stages, 1)
+        return cost.replace(ranks_per_node=min(self.planner_config.ranks_per_node, pool))
 
     @property
     def last_record(self) -> StepRecord | None:
