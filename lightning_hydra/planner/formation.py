@@ -10,7 +10,8 @@ Dynamic-CP forms them, but with a closed-form load level, load-driven degrees an
    number of microbatches holds the batch.
 2. **Degrees.** With ``raise_degrees`` every sequence takes the smallest class of the degree set whose per-rank
    cost is at most ``T_m`` (never below its memory minimum): long sequences get more ranks than memory needs.
-   Without it every sequence stays at its memory minimum (Megatron's degrees). The level then rises to the
+   Without it every sequence stays at its memory minimum (Megatron's degrees). With a ``lift`` above 1 the class
+   is chosen at ``lift * T_m`` instead (fewer sequences raised, less ring traffic). The level then rises to the
    tallest sequence's cost if that is still above it.
 3. **Placement of multi-rank sequences**, heaviest first: the most loaded group with token room of the sequence's
    own class, or of a slightly larger class (at most :data:`REACH` classes up), that stays within the level (best
