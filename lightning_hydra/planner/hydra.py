@@ -48,7 +48,9 @@ LIFTS = (1.1, 1.25, 1.5)
 """Lifts of the extra power-of-two load-driven formations (:func:`~lightning_hydra.planner.formation.form`'s
 ``lift``): degrees chosen at these multiples of each microbatch's level, between the load-driven formation (fewest
 ranks idle, most ring traffic) and the memory-driven one. Where the truth charges rings more than the planner's
-analytic model (exposed ring traffic, slower links), calibration finds it and one of these wins."""
+analytic model (exposed ring traffic, slower links), calibration finds it and one of these can win; where the
+calibrated model is off by more than the gap between near-equal candidates they add choices it can get wrong (the
+README's robustness section lists both)."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
