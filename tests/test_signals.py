@@ -62,7 +62,9 @@ def _terminate_when_training(main: subprocess.Popen, tmp: Path) -> tuple[float, 
     assert len(_alive(main.pid)) == 4  # the launching process and the three ranks it started
     sent = time.monotonic()
     main.send_signal(signal.SIGTERM)  # as `kill`; SLURM signals every rank, which works the same way
-    while _alive(main.pid) and time.monotonic() - sent < 60:
+    # the launching process counts until it can be reaped: its main thread may show as a zombie in /proc while its
+    # other threads still exit, and only then does it report its status
+    while (_alive(main.pid) or main.poll() is None) and time.monotonic() - sent < 60:
         time.sleep(0.2)
     return time.monotonic() - sent, main.poll()
 
