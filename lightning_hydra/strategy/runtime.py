@@ -41,6 +41,7 @@ __all__ = [
     "LocalRuntime",
     "model_cost",
     "model_heads",
+    "with_node_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,15 @@ def model_heads(module: Any) -> tuple[int | None, int | None]:
     """``(num_heads, num_kv_heads)`` of a module with ``attention_heads()`` (``(None, None)`` otherwise)."""
     heads = getattr(module, "attention_heads", None)
     return heads() if callable(heads) else (None, None)
+
+
+def with_node_size(cost: CostModel, ranks_per_node: int, pool: int) -> CostModel:
+    """``cost`` with the pool's node size (``ranks_per_node``, at most the ``pool``'s ranks) where it has none: a ring
+    whose group lies inside a node runs on the intra-node link (a model from an older checkpoint, or one built
+    without the topology, learns it here)."""
+    if cost.ranks_per_node:
+        return cost
+    return cost.replace(ranks_per_node=min(ranks_per_node, pool))
 
 
 def model_cost(module: Any) -> CostModel:
@@ -160,11 +170,8 @@ class HydraRuntime(ABC):
         self.cost_version += 1
 
     def _with_node(self, cost: CostModel) -> CostModel:
-        """``cost`` with the pool's node size where it has none: a ring whose group lies inside a node runs on the
-        intra-node link (a model from an older checkpoint, or one built without the topology, learns it here)."""
-        if cost.ranks_per_node:
-            return cost
-        return cost.replace(ranks_per_node=min(self.planner_config.ranks_per_node, self.world_size))
+        """``cost`` with the pool's node size where it has none (:func:`with_node_size`)."""
+        return with_node_size(cost, self.planner_config.ranks_per_node, self.world_size)
 
     def degree_rules(self) -> DegreeRules:
         """The degrees the pool allows for the bound module."""

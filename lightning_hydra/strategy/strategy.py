@@ -50,7 +50,7 @@ from lightning_hydra.strategy.guard import RunGuard
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.prelaunch import CheckedSubprocessLauncher, SpawnLauncher
-from lightning_hydra.strategy.runtime import model_heads
+from lightning_hydra.strategy.runtime import model_heads, with_node_size
 from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model, sync_module_states
 
 __all__ = ["HydraStrategy"]
@@ -545,10 +545,8 @@ class HydraStrategy(ParallelStrategy):
             from lightning_hydra.strategy.runtime import model_cost
 
             cost = model_cost(self.lightning_module)
-        if cost.ranks_per_node:
-            return cost
         pool = max(self.world_size // self.pipeline_stages, 1)
-        return cost.replace(ranks_per_node=min(self.planner_config.ranks_per_node, pool))
+        return with_node_size(cost, self.planner_config.ranks_per_node, pool)
 
     @property
     def last_record(self) -> StepRecord | None:
