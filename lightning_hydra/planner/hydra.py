@@ -87,7 +87,7 @@ def candidates(req: PlanRequest) -> list[Formation]:
         out.append(form(req, ds, raise_degrees=load_driven, tables=tables[name]))
         if req.pipeline_stages > 1 and load_driven:
             out.append(form(req, ds, raise_degrees=True, tables=tables[name], even=True))
-    if req.lengths.size * math.sqrt(req.world_size) <= LIFT_BUDGET:
+    if _within(req, LIFT_BUDGET):
         ds = DegreeSet.build(req.rules, "pow2")
         tab = tables["pow2"] if "pow2" in tables else _Tables(req, ds)
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
@@ -137,7 +137,13 @@ def schedule_hydra(req: PlanRequest) -> Plan:
 def _mcore_candidate(req: PlanRequest) -> Plan | None:
     """Megatron's own placement when the batch is within the budget (:data:`MCORE_BUDGET`), else ``None``."""
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
-    return schedule_mcore_fast(req) if req.lengths.size * math.sqrt(req.world_size) <= budget else None
+    return schedule_mcore_fast(req) if _within(req, budget) else None
+
+
+def _within(req: PlanRequest, budget: float) -> bool:
+    """Whether the batch's ``sequences * sqrt(ranks)`` is at most ``budget`` (:data:`LIFT_BUDGET`,
+    :data:`MCORE_BUDGET`)."""
+    return req.lengths.size * math.sqrt(req.world_size) <= budget
 
 
 def candidate_plans(req: PlanRequest) -> dict[str, Plan]:
