@@ -10,10 +10,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.cp import CPContext
+from lightning_hydra.strategy.prelaunch import SpawnLauncher
 from lightning_hydra.strategy.sharding import build_mesh, state_bytes
 from lightning_hydra.testing import quiet_trainer
 
@@ -76,9 +78,29 @@ def _fit(
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
 
 
-def _strategy(sharding: str, capacity: int = 80, **kw) -> HydraStrategy:
+class _ExitRecorder(SpawnLauncher):
+    """The spawn launcher, each worker writing what it still holds once it has released its process groups."""
+
+    def _wrapping_function(self, *args, **kwargs) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        strategy = self._strategy
+        cache = strategy.runtime.cache
+        row = {"created": cache.created, "destroyed": cache.destroyed, "held": len(cache)}
+        row["initialized"] = dist.is_initialized()
+        Path(f"{strategy.exit_log}.rank{strategy.global_rank}").write_text(json.dumps(row))
+
+
+class _ExitRecordingStrategy(HydraStrategy):
+    exit_log = ""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _ExitRecorder(self, start_method=self._start_method)
+
+
+def _strategy(sharding: str, capacity: int = 80, exit_log: Path | None = None, **kw) -> HydraStrategy:
     kw.setdefault("num_microbatches", 4)
-    return HydraStrategy(
+    cls = HydraStrategy if exit_log is None else _ExitRecordingStrategy
+    strategy = cls(
         max_tokens_per_rank=capacity,
         ranks_per_node=2,
         start_method="spawn",
@@ -88,6 +110,9 @@ def _strategy(sharding: str, capacity: int = 80, **kw) -> HydraStrategy:
         monitor=False,
         **kw,
     )
+    if exit_log is not None:
+        strategy.exit_log = str(exit_log)
+    return strategy
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +128,10 @@ def test_sharded_pool_trains_like_one_process(tmp_path: Path, reference, shardin
     model = make_model()
     # the static policy at one degree over 6 microbatches leaves ranks idle in some microbatches of steps 2 and 3
     # whatever hydra's candidates would pick, so zero-token passes run (under zero3 every rank runs every microbatch)
-    strategy = _strategy(sharding, 96, policy="static", num_microbatches=6, activation_checkpointing="selective")
+    exit_log = tmp_path / "exit.json"
+    strategy = _strategy(
+        sharding, 96, exit_log, policy="static", num_microbatches=6, activation_checkpointing="selective"
+    )
     ranks = _fit(tmp_path, sharding, model, 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert max(ranks[0]["norms"]) > 0.2  # clipping changed the update (and stayed exact)
@@ -114,6 +142,12 @@ def test_sharded_pool_trains_like_one_process(tmp_path: Path, reference, shardin
     per_rank = ranks[1]["bytes"]
     shards = 2 if sharding == "hsdp" else 4  # hsdp shards inside a node of 2 ranks
     assert per_rank["params"] <= replica["params"] / shards * 1.2
+    # a worker that returned released its CP communicators and the process groups before its interpreter finalised
+    for rank in range(4):
+        left = json.loads(Path(f"{exit_log}.rank{rank}").read_text())
+        assert 0 < left["destroyed"] <= left["created"]  # those this rank is a member of
+        assert left["held"] == 0
+        assert not left["initialized"]
 
 
 def test_zero2_state_and_resume_on_fewer_ranks(tmp_path: Path) -> None:

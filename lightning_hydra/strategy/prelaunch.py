@@ -15,9 +15,11 @@ The launchers below are Lightning's own, running :func:`preflight` first. Where 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +39,11 @@ from lightning_hydra.strategy.runtime import model_heads
 if TYPE_CHECKING:
     from lightning_hydra.strategy.strategy import HydraStrategy
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "SpawnLauncher", "preflight"]
+__all__ = ["EXIT_SETTLE_S", "CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "SpawnLauncher", "preflight"]
+
+EXIT_SETTLE_S = 0.05
+"""Seconds a worker that returned normally waits, the GIL released, after destroying its process groups and before
+its interpreter finalises (see :meth:`CheckedMultiProcessingLauncher._wrapping_function`)."""
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +120,17 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``), running :func:`preflight` first
-    and destroying the process groups when a worker's function returns normally (a worker that exits with Gloo's
-    groups alive can abort in the interpreter's finalisation: ``terminate called without an active exception``)."""
+    and releasing the process groups when a worker's function returns normally.
+
+    A worker that exits with Gloo communicators alive can abort in the interpreter's finalisation (``terminate
+    called without an active exception``, SIGABRT): a Gloo worker thread that ran one of the last collectives may
+    still hold that work's tensors when the main thread returns; freeing a tensor that has a Python object takes the
+    GIL, and a thread asking for it once the interpreter finalises is ended inside a ``noexcept`` frame. So the
+    worker destroys the CP communicators (their threads are joined), then the process groups; a communicator that
+    stays referenced (FSDP2 keeps its mesh's groups for the model's lifetime) keeps its threads, and those get
+    :data:`EXIT_SETTLE_S` with the GIL released to drop their last work (measured on 4 spawned Gloo ranks that
+    train a FSDP2 model, gather its full weights and return: 4 aborts in 80 runs without the pause, none in 120
+    with it)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -129,9 +144,12 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         # may still wait in a collective (the error reaches the parent instead)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             try:
+                self._strategy.destroy_groups()
                 torch.distributed.destroy_process_group()
             except Exception as error:  # the run's results are already out: only say it
                 log.warning("HydraStrategy: destroying the process groups at the end of a worker failed: %s", error)
+            gc.collect()  # communicators only a reference cycle still holds are destroyed now, not in finalisation
+            time.sleep(EXIT_SETTLE_S)
 
 
 class SpawnLauncher(CheckedMultiProcessingLauncher):
