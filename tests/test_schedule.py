@@ -17,6 +17,7 @@ from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
 from lightning_hydra.planner.formation import REACH, DegreeSet, form, layout
+from lightning_hydra.planner.hydra import MCORE_BUDGET, MCORE_BUDGET_MEMORY
 from lightning_hydra.planner.request import PlanRequest
 
 POLICIES = ["hydra", "mcore", "static"]
@@ -419,6 +420,27 @@ def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostMo
     assert raised.stats[f"span/{raised.stats['candidate']}"] <= raised.stats["span/mcore"] * (1 + 1e-12)
     with pytest.raises(ValueError, match="mcore_budget"):
         _run(lengths, "hydra", cost, mcore_budget=-1, **kw)
+
+
+def test_where_the_memory_driven_formation_wins_megatrons_plan_joins_up_to_the_larger_budget(cost: CostModel) -> None:
+    """Above ``MCORE_BUDGET``, Megatron's placement joins the candidates where hydra would otherwise choose its
+    memory-driven formation (a 32K batch whose tokens bind), up to ``MCORE_BUDGET_MEMORY``; hydra is then never
+    predicted worse than it. Where a load-driven formation wins (256K), and with an explicit budget, it does not."""
+    kw = {"world": 256, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}
+    full = make_batch("lognormal", world_size=256, capacity=4096, num_microbatches=8, fill=0.9, context=32768, seed=2)
+    assert MCORE_BUDGET < full.size * 16 <= MCORE_BUDGET_MEMORY
+    without = _run(full, "hydra", cost, mcore_budget=MCORE_BUDGET, **kw)
+    assert without.stats["candidate"] == "pow2/memory" and "span/mcore" not in without.stats
+    plan = _run(full, "hydra", cost, **kw)
+    mcore = _run(full, "mcore", cost, **kw)
+    assert plan.stats["span/mcore"] == pytest.approx(float(mcore.loads(cost).max(axis=1).sum()))
+    assert float(plan.loads(cost).max(axis=1).sum()) <= plan.stats["span/mcore"] * (1 + 1e-9)
+    long = make_batch(
+        "lognormal", world_size=256, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=2
+    )
+    assert long.size * 16 > MCORE_BUDGET
+    chosen = _run(long, "hydra", cost, world=256, capacity=16384, microbatches=8, max_seq_len=262144)
+    assert not chosen.stats["candidate"].endswith("/memory") and "span/mcore" not in chosen.stats
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,8 @@ class PlannerConfig:
     maxima and at least as many microbatches as asked."""
     mcore_budget: float | None = None
     """Largest ``sequences * sqrt(ranks)`` for which ``hydra`` also forms Megatron's placement as a candidate (and
-    is then never predicted worse than it); ``None``: the default (about 50 ms of planning), ``0``: never."""
+    is then never predicted worse than it); ``None``: the defaults (about 50 ms of planning; up to about 0.8 s where
+    hydra would otherwise choose its memory-driven formation: ``hydra.MCORE_BUDGET_MEMORY``), ``0``: never."""
 
     def schedule(
         self,

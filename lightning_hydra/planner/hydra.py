@@ -6,7 +6,8 @@ Per global batch, several candidate plans are formed and the most robust one is 
   power-of-two and the fine degree sets, dense microbatches at Megatron's memory-driven power-of-two degrees
   (Megatron-shaped, without its whole-pool scans), the ``static`` plan, up to :data:`LIFT_BUDGET` power-of-two
   formations whose degrees are chosen at :data:`LIFTS` times the level (fewer raised degrees, less ring traffic),
-  and up to :data:`MCORE_BUDGET` Megatron's own placement (:mod:`lightning_hydra.planner.mcore_fast`).
+  and up to :data:`MCORE_BUDGET` Megatron's own placement (:mod:`lightning_hydra.planner.mcore_fast`), up to
+  :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be the memory-driven formation.
 - **Choice** (:mod:`lightning_hydra.planner.robust`): every candidate is scored under the planner's model and
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
   planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore); where
@@ -21,6 +22,7 @@ per sequence.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,13 +31,14 @@ from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import TIE, Scored, choose, ensemble, spans_of
-from lightning_hydra.planner.static import static_layout
+from lightning_hydra.planner.static import StaticLayout, static_layout
 
 __all__ = [
     "CANDIDATES",
     "LIFTS",
     "LIFT_BUDGET",
     "MCORE_BUDGET",
+    "MCORE_BUDGET_MEMORY",
     "MCORE_MARGIN",
     "candidate_plans",
     "candidates",
@@ -62,7 +65,19 @@ vector expression over the groups per sequence placed, about 1.6 us per unit of 
 sequences on 512 ranks, 0.6 s for 8,900, 2.4 s for 36,000 on 2,048). Where the truth charges every microbatch a
 fixed cost (GEMMs below peak, launches) and tokens bind (32K contexts), Megatron's dense first-fit packing can beat
 every load-driven formation; within the budget hydra is never predicted worse than it. A run that plans ahead of
-its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, ``PlannerConfig.mcore_budget``)."""
+its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, ``PlannerConfig.mcore_budget``).
+Where hydra's own choice is the memory-driven formation, :data:`MCORE_BUDGET_MEMORY` applies instead."""
+MCORE_BUDGET_MEMORY = 524288
+"""The budget for Megatron's placement where, without it, hydra would choose its memory-driven formation (no
+load-driven formation is predicted better than Megatron's degrees): Megatron's first fit places the same degrees
+(each sequence where the projected maximum is lowest) and balances ranks full of short sequences better than
+hydra's level-driven placement. Measured at 512 ranks and 32K contexts where tokens bind (80-90% of the pool's
+token room; lognormal and Pareto lengths, base and ``worst`` truths): its plan was 0.5-2.2% faster than the best
+hydra formation and up to 3.8% faster than hydra's choice under the truths after calibration, and hydra's own
+calibrated model said so. Up to this bound (512 ranks: about 23,000 sequences; 2,048: 11,500) hydra pays for it,
+about 1.3 us per unit (0.3 s for 10,900 sequences on 512 ranks), which :class:`~lightning_hydra.HydraDataModule`
+hides behind the step that trains while the next is planned (``plan_ahead``). A batch where a load-driven
+formation wins (long contexts) never pays it. An explicit ``mcore_budget`` replaces both budgets."""
 
 
 MCORE_MARGIN = 0.005
@@ -100,6 +115,34 @@ def schedule_hydra(req: PlanRequest) -> Plan:
 
     The plan's ``stats`` name the chosen candidate and carry every candidate's predicted span and regret.
     """
+    c = _choice(req)
+    stats: dict[str, float | str] = {"candidate": c.scored[c.pick].name}
+    for s in c.scored:
+        stats[f"span/{s.name}"] = float(s.spans[0])
+        stats[f"regret/{s.name}"] = c.regret[s.name]
+    if c.pick >= len(c.formed):
+        plan = c.mcore if c.mcore is not None and c.scored[c.pick].name == "mcore" else c.static.plan(req)
+        plan.policy = "hydra"
+        plan.stats = stats
+        return plan
+    return c.formed[c.pick].plan(req, **stats)
+
+
+@dataclass
+class _Choice:
+    """What :func:`schedule_hydra` chose from and what it chose."""
+
+    formed: list[Formation]
+    static: StaticLayout
+    mcore: Plan | None
+    scored: list[Scored]
+    pick: int
+    regret: dict[str, float]
+
+
+def _choice(req: PlanRequest) -> _Choice:
+    """Form and score the candidates and choose one; Megatron's placement joins them within :data:`MCORE_BUDGET`,
+    or within :data:`MCORE_BUDGET_MEMORY` where the choice without it is the memory-driven formation."""
     lengths = req.lengths
     formed = candidates(req)
     static = static_layout(req)
@@ -112,32 +155,22 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     # is charged the link its ranks use)
     scored = [Scored(f.name, spans(*f.flat(), crosses=f.crosses(req)), f.name.endswith("/memory")) for f in formed]
     scored.append(Scored("static", spans(*static.flat(), crosses=static.crosses(req)), True))
-    mcore = _mcore_candidate(req)
+    budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
+    mcore = schedule_mcore_fast(req) if _within(req, budget) else None
+    if mcore is None:
+        pick, regret = choose(scored)
+        if req.mcore_budget is None and scored[pick].name.endswith("/memory") and _within(req, MCORE_BUDGET_MEMORY):
+            mcore = schedule_mcore_fast(req)
     if mcore is not None:
         mb, start, u, r, seq, gid = mcore.flat()
         crosses = req.cost.crossing(start, u * r)
         scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches, crosses=crosses), True))
-    pick, regret = choose(scored)
-    if mcore is not None and scored[pick].name != "mcore":
-        own, static_own = scored[-1].spans[0], scored[len(formed)].spans[0]  # mcore's (scored last) and static's
-        if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):
-            pick = len(scored) - 1
-    stats: dict[str, float | str] = {"candidate": scored[pick].name}
-    for s in scored:
-        stats[f"span/{s.name}"] = float(s.spans[0])
-        stats[f"regret/{s.name}"] = regret[s.name]
-    if pick >= len(formed):
-        plan = mcore if mcore is not None and scored[pick].name == "mcore" else static.plan(req)
-        plan.policy = "hydra"
-        plan.stats = stats
-        return plan
-    return formed[pick].plan(req, **stats)
-
-
-def _mcore_candidate(req: PlanRequest) -> Plan | None:
-    """Megatron's own placement when the batch is within the budget (:data:`MCORE_BUDGET`), else ``None``."""
-    budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
-    return schedule_mcore_fast(req) if _within(req, budget) else None
+        pick, regret = choose(scored)
+        if scored[pick].name != "mcore":
+            own, static_own = scored[-1].spans[0], scored[len(formed)].spans[0]  # mcore's (scored last) and static's
+            if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):
+                pick = len(scored) - 1
+    return _Choice(formed, static, mcore, scored, pick, regret)
 
 
 def _within(req: PlanRequest, budget: float) -> bool:
@@ -148,7 +181,8 @@ def _within(req: PlanRequest, budget: float) -> bool:
 
 def candidate_plans(req: PlanRequest) -> dict[str, Plan]:
     """Every plan :func:`schedule_hydra` chooses from, by candidate name: the formations of :func:`candidates`, the
-    ``static`` plan and, within the budget, ``mcore``'s placement.
+    ``static`` plan and, where it joins them (:data:`MCORE_BUDGET`, :data:`MCORE_BUDGET_MEMORY`), ``mcore``'s
+    placement.
 
     For benchmarks: timed under a cost truth, the best of them bounds what any choice among these candidates could
     reach, which tells a choice that missed the best candidate from candidates that all fall short.
@@ -156,9 +190,9 @@ def candidate_plans(req: PlanRequest) -> dict[str, Plan]:
     Args:
         req: The validated request (as :func:`~lightning_hydra.planner.schedule` builds it).
     """
-    plans = {f.name: f.plan(req) for f in candidates(req)}
-    plans["static"] = static_layout(req).plan(req)
-    mcore = _mcore_candidate(req)
-    if mcore is not None:
-        plans["mcore"] = mcore
+    c = _choice(req)
+    plans = {f.name: f.plan(req) for f in c.formed}
+    plans["static"] = c.static.plan(req)
+    if c.mcore is not None:
+        plans["mcore"] = c.mcore
     return plans
