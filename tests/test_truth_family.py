@@ -389,7 +389,8 @@ def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget, bin_overhead, s
 
 def test_robustness_cells_bound_hydra_by_its_best_candidate():
     """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
-    summary and tables carry it; batches may hold another share of the pool's tokens."""
+    summary and tables carry it; batches may hold another share of the pool's tokens and be planned into another
+    number of microbatches."""
     from lightning_hydra.bench.robust import _batches, _plan, _request, markdown, run_pool, summarize
     from lightning_hydra.planner.hydra import candidate_plans
 
@@ -401,9 +402,9 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
         same = candidate_plans(_request(batch, cost, 64, context))[str(plan.stats["candidate"])]
         for mine, theirs in zip(same.flat(), plan.flat(), strict=True):
             assert np.array_equal(np.asarray(mine), np.asarray(theirs))
-    cells = run_pool(64, "256K", "lognormal", ["base", "share50"], steps=2, evaluations=1, fill=0.6)
+    cells = run_pool(64, "256K", "lognormal", ["base", "share50"], steps=2, evaluations=1, fill=0.6, microbatches=4)
     for cell in cells:
-        assert cell["fill"] == 0.6  # a fill other than the default is named
+        assert cell["fill"] == 0.6 and cell["microbatches"] == 4  # settings other than the defaults are named
         cal = cell["calibrated"]
         assert cal["best_candidate_over_mcore"] >= cal["hydra_over_mcore"]
         assert len(cal["best_candidates"]) == 1

@@ -6,6 +6,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust --full           # adds 2,048 ranks (mcore takes minutes per batch there)
     python -m lightning_hydra.bench.robust --markdown t.md  # also writes the README's tables
     python -m lightning_hydra.bench.robust --fill 0.9       # batches at 90% of the pool's tokens (default 75%)
+    python -m lightning_hydra.bench.robust --microbatches 16  # batches planned into 16 microbatches (default 8)
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -63,47 +64,55 @@ def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> 
     return useful / plan.world_size / span, times
 
 
-def _plan(lengths: np.ndarray, policy: str, cost: CostModel, world: int, context: str) -> tuple[Plan, float]:
+def _plan(
+    lengths: np.ndarray, policy: str, cost: CostModel, world: int, context: str, microbatches: int = 8
+) -> tuple[Plan, float]:
     longest, capacity = CONTEXTS[context]
     start = time.perf_counter()
     plan = schedule(
-        lengths, world_size=world, num_microbatches=8, max_tokens_per_rank=capacity, cost=cost, policy=policy,
-        ranks_per_node=8, num_heads=32, num_kv_heads=8, max_seq_len=longest,
+        lengths, world_size=world, num_microbatches=microbatches, max_tokens_per_rank=capacity, cost=cost,
+        policy=policy, ranks_per_node=8, num_heads=32, num_kv_heads=8, max_seq_len=longest,
     )  # fmt: skip
     return plan, 1e3 * (time.perf_counter() - start)
 
 
-def _request(lengths: np.ndarray, cost: CostModel, world: int, context: str) -> PlanRequest:
+def _request(lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8) -> PlanRequest:
     """The request :func:`_plan`'s ``schedule`` call builds (tests compare the plans made from both)."""
     longest, capacity = CONTEXTS[context]
     return PlanRequest(
-        lengths=np.asarray(lengths, dtype=np.int64), num_microbatches=8, capacity=capacity, cost=cost,
+        lengths=np.asarray(lengths, dtype=np.int64), num_microbatches=microbatches, capacity=capacity, cost=cost,
         rules=DegreeRules(world_size=world, ranks_per_node=8, num_heads=32), max_seq_len=longest,
     )  # fmt: skip
 
 
-def _best_candidate(lengths: np.ndarray, cost: CostModel, hw: Hardware, world: int, context: str) -> tuple[str, float]:
+def _best_candidate(
+    lengths: np.ndarray, cost: CostModel, hw: Hardware, world: int, context: str, microbatches: int = 8
+) -> tuple[str, float]:
     """The candidate of hydra's (planning as :func:`_plan` does) with the best efficiency under the truth ``hw``."""
-    plans = candidate_plans(_request(lengths, cost, world, context))
+    plans = candidate_plans(_request(lengths, cost, world, context, microbatches))
     scores = {name: efficiency(plan, hw)[0] for name, plan in plans.items()}
     name = max(scores, key=scores.__getitem__)
     return name, scores[name]
 
 
-def _batches(dist: str, world: int, context: str, seeds: range, fill: float = 0.75) -> list[np.ndarray]:
+def _batches(
+    dist: str, world: int, context: str, seeds: range, fill: float = 0.75, microbatches: int = 8
+) -> list[np.ndarray]:
     longest, capacity = CONTEXTS[context]
     return [
-        make_batch(dist, world_size=world, capacity=capacity, num_microbatches=8, fill=fill, context=longest, seed=s)
+        make_batch(
+            dist, world_size=world, capacity=capacity, num_microbatches=microbatches, fill=fill, context=longest, seed=s
+        )
         for s in seeds
     ]
 
 
-def _closed_loop(batches: list[np.ndarray], hw: Hardware, world: int, context: str) -> CostModel:
+def _closed_loop(batches: list[np.ndarray], hw: Hardware, world: int, context: str, microbatches: int = 8) -> CostModel:
     """The analytic model refitted over ``batches``: hydra plans each, the truth times it, calibration refits."""
     cost = llama8b_cost()
     calibrator = CostCalibrator()
     for lengths in batches:
-        plan, _ = _plan(lengths, "hydra", cost, world, context)
+        plan, _ = _plan(lengths, "hydra", cost, world, context, microbatches)
         _, times = efficiency(plan, hw)
         calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
         cost = calibrator.refit(cost)
@@ -111,32 +120,36 @@ def _closed_loop(batches: list[np.ndarray], hw: Hardware, world: int, context: s
 
 
 def run_pool(
-    world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int, fill: float = 0.75
-) -> list[dict[str, Any]]:
+    world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int, fill: float = 0.75,
+    microbatches: int = 8,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Every truth's cell for one pool, context and distribution (baselines planned once); batches hold ``fill`` of
-    the pool's tokens over 8 microbatches."""
-    held_out = _batches(dist, world, context, range(1000, 1000 + evaluations), fill)
-    loop = _batches(dist, world, context, range(2000, 2000 + steps), fill)
+    the pool's tokens over ``microbatches`` microbatches."""
+    mbs = microbatches
+    held_out = _batches(dist, world, context, range(1000, 1000 + evaluations), fill, mbs)
+    loop = _batches(dist, world, context, range(2000, 2000 + steps), fill, mbs)
     analytic = llama8b_cost()
-    fixed = {p: [_plan(b, p, analytic, world, context) for b in held_out] for p in ("mcore", "static", "hydra")}
+    fixed = {p: [_plan(b, p, analytic, world, context, mbs) for b in held_out] for p in ("mcore", "static", "hydra")}
     cells = []
     for name in truths:
         hw = truth(name, LLAMA_8B.num_layers)
         cell: dict[str, Any] = {"world_size": world, "context": context, "distribution": dist, "truth": name}
         if fill != 0.75:
             cell["fill"] = fill
+        if mbs != 8:
+            cell["microbatches"] = mbs
         eff = {p: statistics.fmean(efficiency(plan, hw)[0] for plan, _ in runs) for p, runs in fixed.items()}
         cell["uncalibrated"] = {
             **{p: round(v, 4) for p, v in eff.items()},
             "hydra_over_mcore": round(eff["hydra"] / eff["mcore"], 4),
         }
-        cost = _closed_loop(loop, hw, world, context)
+        cost = _closed_loop(loop, hw, world, context, mbs)
         cal, own_h, own_m, errors, picks, best, best_names = [], [], [], [], [], [], []
         for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
-            plan, _ = _plan(lengths, "hydra", cost, world, context)
+            plan, _ = _plan(lengths, "hydra", cost, world, context, mbs)
             e, times = efficiency(plan, hw)
             cal.append(e)
-            name, e_best = _best_candidate(lengths, cost, hw, world, context)
+            name, e_best = _best_candidate(lengths, cost, hw, world, context, mbs)
             best.append(e_best)
             best_names.append(name)
             own_h.append(plan.efficiency(cost))
@@ -238,10 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="closed-loop steps before the calibrated evaluation")
     parser.add_argument("--evaluations", type=int, default=2, help="held-out batches per cell (1 at 2,048 ranks)")
     parser.add_argument("--fill", type=float, default=0.75, help="share of the pool's tokens a batch holds")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches each batch is planned into")
     parser.add_argument("--markdown", default=None, help="write the README tables to this file")
     args = parser.parse_args(argv)
     if not 0 < args.fill <= 1:
         parser.error(f"--fill must be in (0, 1], got {args.fill}")
+    if args.microbatches < 1:
+        parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
     sizes = args.world_sizes or ([64, 512, 2048] if args.full else [64, 512])
     cells = []
     start = time.perf_counter()
@@ -250,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             for dist in args.distributions:
                 evaluations = 1 if world >= 2048 else args.evaluations
                 cells += run_pool(
-                    world, context, dist, args.truths, steps=args.steps, evaluations=evaluations, fill=args.fill
-                )
+                    world, context, dist, args.truths, steps=args.steps, evaluations=evaluations, fill=args.fill,
+                    microbatches=args.microbatches,
+                )  # fmt: skip
     summary = {"summary": summarize(cells), "seconds": round(time.perf_counter() - start, 1), "load": os.getloadavg()}
     print(json.dumps(summary), flush=True)
     if args.markdown:
