@@ -143,11 +143,15 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         # after a normal return only: a rank that raised must not block in a collective teardown while its peers
         # may still wait in a collective (the error reaches the parent instead)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            try:
-                self._strategy.destroy_groups()
-                torch.distributed.destroy_process_group()
-            except Exception as error:  # the run's results are already out: only say it
-                log.warning("HydraStrategy: destroying the process groups at the end of a worker failed: %s", error)
+            # each release on its own: a failure to destroy the CP communicators still leaves the world to destroy
+            for what, release in (
+                ("the CP communicators", self._strategy.destroy_groups),
+                ("the process groups", torch.distributed.destroy_process_group),
+            ):
+                try:
+                    release()
+                except Exception as error:  # the run's results are already out: only say it
+                    log.warning("HydraStrategy: destroying %s at the end of a worker failed: %s", what, error)
             gc.collect()  # communicators only a reference cycle still holds are destroyed now, not in finalisation
             time.sleep(EXIT_SETTLE_S)
 
