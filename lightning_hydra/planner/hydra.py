@@ -175,7 +175,7 @@ def _choice(req: PlanRequest) -> _Choice:
 
 def _within(req: PlanRequest, budget: float) -> bool:
     """Whether the batch's ``sequences * sqrt(ranks)`` is at most ``budget`` (:data:`LIFT_BUDGET`,
-    :data:`MCORE_BUDGET`)."""
+    :data:`MCORE_BUDGET`, :data:`MCORE_BUDGET_MEMORY`)."""
     return req.lengths.size * math.sqrt(req.world_size) <= budget
 
 
