@@ -155,6 +155,39 @@ def test_choice_is_the_smallest_worst_regret_never_worse_than_a_baseline():
         assert choose(tied)[0] == 0
 
 
+def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeypatch):
+    """A closed loop whose plans ran rings only where attention hid them (or none at all) can fit ``ring_exposure``
+    to 0 and lay the rings' cost on a slow all-to-all, as a 512-rank loop under the ``share50`` truth did
+    (``intra_node_bandwidth`` 74e9, ``bin_overhead`` 34 ms). Under that model rings of short sequences cost
+    nothing, and the fine candidate's rings of 3-13 ranks look best. The ensemble member whose exposure is at least
+    1 (transfers hide no better than perfect overlap) keeps hydra off it: timed by the truth, the plan is far
+    faster. Without the member (patched out) hydra takes the fine candidate, so this test can fail."""
+    import lightning_hydra.planner.hydra as hydra_module
+
+    fitted = llama8b_cost().replace(ring_exposure=0.0, intra_node_bandwidth=74e9, bin_overhead=0.034)
+    assert ensemble(fitted)[-1].ring_exposure == 1.0 and ensemble(fitted)[-1].attn == fitted.attn
+    lengths = make_batch("stdlib", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=0)
+    hw = truth("share50", LLAMA_8B.num_layers)
+
+    def plan():
+        return schedule(
+            lengths, world_size=32, num_microbatches=4, max_tokens_per_rank=4096, cost=fitted, ranks_per_node=8,
+            num_heads=32, num_kv_heads=8, max_seq_len=32768,
+        )  # fmt: skip
+
+    def step_time(p):
+        times, _ = plan_times(p, model=LLAMA_8B, hardware=hw, layers=LLAMA_8B.num_layers, head_share=1.0)
+        return float(times.max(axis=1).sum())
+
+    robust = plan()
+    assert robust.stats["candidate"] != "fine/load"
+    with monkeypatch.context() as m:
+        m.setattr(hydra_module, "ensemble", lambda cost: ensemble(cost)[:-1])
+        fragile = plan()
+    assert fragile.stats["candidate"] == "fine/load"  # what the member prevents
+    assert step_time(robust) < 0.8 * step_time(fragile)  # under the truth
+
+
 def test_pipeline_plans_are_scored_by_their_1f1b_step_time():
     cost = CostModel.for_transformer(256, 4, 8, flops_per_second=1e12)
     lengths = np.array([60, 60, 60, 60])
