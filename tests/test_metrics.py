@@ -123,6 +123,40 @@ def test_calibrator_guards():
     assert cal.refit(COST) is COST and cal.skipped == 1
 
 
+def test_a_refinement_the_window_cannot_tell_apart_keeps_its_coefficient():
+    """Every measured bin has ``u > 1``: the all-to-all latency's column is the fixed cost's, so the fixed cost goes
+    to ``bin_overhead`` (bins with ``u = 1`` pay it too, as far as anything measured says) and ``a2a_latency`` keeps
+    its value; the ridge alone would split it between them. Once bins with ``u = 1`` are measured, both are fitted."""
+    rng = np.random.default_rng(3)
+    start = COST.replace(a2a_latency=30e-6, bin_overhead=0.0)
+    true = start.replace(bin_overhead=5e-3, a2a_latency=1e-3)
+
+    def measure(degrees: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        feats, times = [], []
+        for _ in range(60):
+            lengths = rng.integers(256, 8192, size=rng.integers(1, 4))
+            u = int(rng.choice(degrees))
+            feats.append(bin_features(start, lengths, u, 1))
+            times.append(true.bin_time(lengths, u, 1))
+        return np.array(feats), np.array(times)
+
+    only_ulysses = measure([2, 4])
+    cal, split = CostCalibrator(), CostCalibrator(min_separation=0.0)
+    for c in (cal, split):
+        c.add(*only_ulysses, includes_comm=True)
+    fitted, ridge = cal.refit(start), split.refit(start)
+    assert fitted.a2a_latency == start.a2a_latency
+    assert fitted.bin_overhead == pytest.approx(6e-3 - 30e-6, rel=0.02)
+    assert ridge.a2a_latency > 2e-3 and ridge.bin_overhead < 4e-3  # what the rule prevents
+    for model in (fitted, ridge):  # both explain what was measured
+        assert relative_error(predict(model, only_ulysses[0], includes_comm=True), only_ulysses[1]) < 0.01
+    cal.add(*measure([1, 2, 4]), includes_comm=True)
+    fitted = cal.refit(start)
+    assert 0.5e-3 < fitted.a2a_latency < 2e-3 and fitted.bin_overhead > 4e-3
+    single = measure([1])
+    assert relative_error(predict(fitted, single[0], includes_comm=True), single[1]) < 0.01
+
+
 def test_calibrator_state_round_trip():
     rng = np.random.default_rng(1)
     feats, times = _synthetic(COST, rng, n=10)

@@ -28,8 +28,12 @@ What is fitted depends on what was measured (:meth:`CostCalibrator.add`):
 - ``includes_comm=False`` alone: only the busy coefficients (communication keeps its current coefficients).
 
 The fit is a relative least-squares over a sliding window of steps, in column-normalised coordinates, with a ridge
-pulling towards the current coefficients: directions the data does not determine (for example ``seq_overhead``
-when every bin holds one sequence) stay where they were instead of swinging on noise.
+pulling towards the current coefficients: directions the data does not determine stay where they were instead of
+swinging on noise. A feature that refines a more general one (:data:`REFINEMENTS`: the all-to-all latency, paid by
+bins with ``u > 1``, refines the per-microbatch fixed cost; ``seq_overhead`` refines it too when every bin holds one
+sequence) and that the window cannot tell apart from the others keeps its coefficient, and the general feature takes
+the cost: the ridge alone would split it between them, and shapes the window never held (bins with ``u = 1`` after a
+loop of Megatron's plans) would be predicted without their share.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ __all__ = [
     "FEATURE_FORM",
     "FITTED",
     "NUM_FEATURES",
+    "REFINEMENTS",
     "CostCalibrator",
     "bin_features",
     "plan_features",
@@ -80,6 +85,11 @@ BUSY = np.arange(7)
 COMM = np.arange(7, NUM_FEATURES)
 """Feature columns of bandwidth-bound communication (what a thread timer does not see)."""
 _POSITIVE = np.isin(np.arange(NUM_FEATURES), (0, 1, 7))  # rates: attn, linear, seconds per all-to-all byte
+REFINEMENTS = (2, 3, 5, 6)
+"""Feature columns that refine a more general one: the per-sequence cost (``seq_overhead``), the all-to-all and
+ring-step latencies (``a2a_latency``, ``p2p_latency``) split the per-microbatch fixed cost (``bin_overhead``) by
+what the bin holds, and ``length_overhead`` splits the per-token cost (``linear``) by the degree. A refinement is
+fitted only where the window tells it apart from the other features (:attr:`CostCalibrator.min_separation`)."""
 
 
 def coefficients(cost: CostModel) -> np.ndarray:
@@ -182,6 +192,14 @@ class CostCalibrator:
     """Fewest busy (rank, microbatch) measurements before a first refit."""
     max_condition: float = 1e8
     """Largest condition number of the normalised design accepted; worse fits are skipped."""
+    min_separation: float = 0.01
+    """Smallest part of a refinement's column (:data:`REFINEMENTS`, in coordinates where every column has unit norm)
+    that must lie outside the span of the other fitted columns for it to be fitted; below it the refinement keeps its
+    current coefficient and the general feature takes the cost. Where every measured bin had ``u > 1`` (a closed
+    loop that ran only Megatron's plans) the all-to-all latency's column equals the fixed cost's, and the ridge would
+    split the fixed cost between them: bins with ``u = 1``, never measured, would then be predicted without half of
+    it (measured: 64 ranks, 32K stdlib, 4 microbatches, ``base``: the fine candidate's single ranks and rings
+    predicted 5-36% fast, hydra at 0.98x mcore)."""
     max_change: float = 100.0
     """Largest factor by which one refit may move a rate (``attn``, ``linear``, the all-to-all bandwidth): a guard
     against a corrupt measurement."""
@@ -256,6 +274,7 @@ class CostCalibrator:
         theta0 = coefficients(cost)
         theta = theta0.copy()
         free = norms > 0  # a feature absent from the window leaves its coefficient alone
+        free &= ~self._inseparable(a, norms, free)
         # active set: a coefficient the unconstrained fit drives below zero is pinned (rates at their current
         # value, the others at zero) and the rest is refitted without it
         for _ in range(NUM_FEATURES):
@@ -287,6 +306,27 @@ class CostCalibrator:
         self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
         self._bandwidth = values["intra_node_bandwidth"]
         return cost.replace(**values)
+
+    def _inseparable(self, a: np.ndarray, norms: np.ndarray, free: np.ndarray) -> np.ndarray:
+        """Refinements (:data:`REFINEMENTS`, in that order) whose normalised column lies within
+        :attr:`min_separation` of the span of the other columns still fitted."""
+        out = np.zeros(NUM_FEATURES, dtype=bool)
+        fitted = free.copy()
+        z = a / np.where(norms > 0, norms, 1.0)
+        gram = z.T @ z  # unit diagonal where a column is present
+        for j in REFINEMENTS:
+            if not fitted[j]:
+                continue
+            others = fitted.copy()
+            others[j] = False
+            if not others.any():
+                continue
+            # squared distance of column j from the span of the others: 1 - its projection (a Schur complement)
+            coef, *_ = np.linalg.lstsq(gram[np.ix_(others, others)], gram[others, j], rcond=None)
+            if 1.0 - float(gram[j, others] @ coef) < self.min_separation**2:
+                out[j] = True
+                fitted[j] = False
+        return out
 
     @property
     def comm_scale(self) -> float:
