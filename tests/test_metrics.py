@@ -157,6 +157,32 @@ def test_a_refinement_the_window_cannot_tell_apart_keeps_its_coefficient():
     assert relative_error(predict(fitted, single[0], includes_comm=True), single[1]) < 0.01
 
 
+def test_the_refit_model_knows_whether_rings_were_measured():
+    """``rings_measured`` is set by the first refit whose window held ring traffic (and kept after), never by a
+    window of bins without rings or by busy times that exclude communication; it travels with the model's dict."""
+    rng = np.random.default_rng(4)
+
+    def measure(ring: int) -> tuple[np.ndarray, np.ndarray]:
+        feats = [bin_features(COST, rng.integers(256, 8192, size=2), 2, ring) for _ in range(20)]
+        return np.array(feats), predict(COST, np.array(feats), includes_comm=True) * 1.2
+
+    cal = CostCalibrator()
+    cal.add(*measure(1), includes_comm=True)
+    without = cal.refit(COST)
+    assert without is not COST and not without.rings_measured
+    thread_timer = CostCalibrator()
+    thread_timer.add(*measure(4), includes_comm=False)  # a CPU timer without comm=: the ring is not seen
+    assert not thread_timer.refit(COST).rings_measured
+    cal.add(*measure(4), includes_comm=True)
+    measured = cal.refit(without)
+    assert measured.rings_measured
+    assert CostModel.from_dict(measured.to_dict()).rings_measured is True
+    assert CostModel.from_dict(without.to_dict()).rings_measured is False
+    for _ in range(cal.window):  # the rings leave the window; the coefficients fitted to them stay
+        cal.add(*measure(1), includes_comm=True)
+    assert cal.refit(measured).rings_measured
+
+
 def test_calibrator_state_round_trip():
     rng = np.random.default_rng(1)
     feats, times = _synthetic(COST, rng, n=10)

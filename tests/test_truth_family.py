@@ -164,8 +164,10 @@ def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeyp
     faster. Without the member (patched out) hydra takes the fine candidate, so this test can fail."""
     import lightning_hydra.planner.hydra as hydra_module
 
-    fitted = llama8b_cost().replace(ring_exposure=0.0, intra_node_bandwidth=74e9, bin_overhead=0.034)
-    assert ensemble(fitted)[-1].ring_exposure == 1.0 and ensemble(fitted)[-1].attn == fitted.attn
+    fitted = llama8b_cost().replace(
+        ring_exposure=0.0, intra_node_bandwidth=74e9, bin_overhead=0.034, rings_measured=True
+    )
+    assert ensemble(fitted)[-1] == fitted.replace(ring_exposure=1.0)
     lengths = make_batch("stdlib", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=0)
     hw = truth("share50", LLAMA_8B.num_layers)
 
@@ -186,6 +188,38 @@ def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeyp
         fragile = plan()
     assert fragile.stats["candidate"] == "fine/load"  # what the member prevents
     assert step_time(robust) < 0.8 * step_time(fragile)  # under the truth
+
+
+def test_unmeasured_rings_are_charged_over_links_as_slow_as_the_measured_all_to_all(monkeypatch):
+    """A closed loop whose plans ran no ring (Megatron's, at 32K) leaves the ring's coefficients analytic, while it
+    finds the all-to-all, over the same intra-node link, 3.2x slower than assumed (a 512-rank loop at 90% fill
+    under the ``worst`` truth, whose coefficients these are). Rings are then charged as the analytic model says, and
+    a candidate with rings of 3-10 ranks looked best (0.962x mcore in that cell). While ``rings_measured`` is unset,
+    the ensemble's ring member also runs the rings over links slowed as the all-to-all was; timed by the truth, the
+    choice is faster. Once rings were measured (the flag set) the member does not scale the links."""
+    fitted = llama8b_cost().replace(
+        intra_node_bandwidth=125e9, bin_overhead=0.034, seq_overhead=5e-5, length_overhead=1.8e-6, a2a_latency=1.9e-3,
+        linear=6.07e-5, attn=1.77e-9,
+    )  # fmt: skip
+    member = ensemble(fitted)[-1]
+    assert member.intra_node_ring_bandwidth == pytest.approx(125e9)
+    assert member.inter_node_bandwidth == pytest.approx(fitted.inter_node_bandwidth * 125 / 400)
+    measured = fitted.replace(rings_measured=True)
+    assert ensemble(measured)[-1] == measured  # exposure already 1, links as they are
+    lengths = make_batch("pareto", world_size=32, capacity=4096, num_microbatches=8, fill=0.9, context=32768, seed=2)
+    hw = truth("worst", LLAMA_8B.num_layers)
+
+    def step_time(cost: CostModel) -> tuple[str, float]:
+        plan = schedule(
+            lengths, world_size=32, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, ranks_per_node=8,
+            num_heads=32, num_kv_heads=8, max_seq_len=32768,
+        )  # fmt: skip
+        times, _ = plan_times(plan, model=LLAMA_8B, hardware=hw, layers=LLAMA_8B.num_layers, head_share=1.0)
+        return str(plan.stats["candidate"]), float(times.max(axis=1).sum())
+
+    trusting, unmeasured = step_time(measured), step_time(fitted)
+    assert trusting[0] == "fine/load" and unmeasured[0] != "fine/load"
+    assert unmeasured[1] < 0.98 * trusting[1]
 
 
 def test_pipeline_plans_are_scored_by_their_1f1b_step_time():

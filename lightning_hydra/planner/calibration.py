@@ -33,7 +33,9 @@ swinging on noise. A feature that refines a more general one (:data:`REFINEMENTS
 bins with ``u > 1``, refines the per-microbatch fixed cost; ``seq_overhead`` refines it too when every bin holds one
 sequence) and that the window cannot tell apart from the others keeps its coefficient, and the general feature takes
 the cost: the ridge alone would split it between them, and shapes the window never held (bins with ``u = 1`` after a
-loop of Megatron's plans) would be predicted without their share.
+loop of Megatron's plans) would be predicted without their share. The refitted model records whether a window ever
+held ring traffic (:attr:`CostModel.rings_measured`): until one has, the ring's coefficients are the analytic ones,
+and the planner's robust choice weighs slower rings too.
 """
 
 from __future__ import annotations
@@ -303,6 +305,7 @@ class CostCalibrator:
         self.refits += 1
         values = {name: float(v) for name, v in zip(FITTED, theta, strict=True)}
         values["intra_node_bandwidth"] = cost.intra_node_bandwidth if theta[7] == theta0[7] else float(1.0 / theta[7])
+        values["rings_measured"] = bool(cost.rings_measured or norms[8] > 0)
         self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
         self._bandwidth = values["intra_node_bandwidth"]
         return cost.replace(**values)

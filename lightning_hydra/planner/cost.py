@@ -91,6 +91,10 @@ class CostModel:
     ring_exposure: float = 1.0
     """Weight of the ring traffic that the bin's attention fails to hide (1: transfers and attention overlap
     perfectly, the rest is exposed)."""
+    rings_measured: bool = False
+    """Whether calibration has fitted the ring's coefficients (``ring_share``, ``ring_exposure``) to measured rings;
+    ``False``: they are the analytic ones, which the planner's robust choice then trusts less
+    (:func:`~lightning_hydra.planner.robust.ensemble`)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -185,6 +189,8 @@ class CostModel:
         values = dict(values)
         if "ranks_per_node" in values:
             values["ranks_per_node"] = int(values["ranks_per_node"])
+        if "rings_measured" in values:
+            values["rings_measured"] = bool(values["rings_measured"])
         if "intra_node_ring_bandwidth" not in values and "intra_node_bandwidth" in values:
             values["intra_node_ring_bandwidth"] = values["intra_node_bandwidth"]
         return cls(**values)
