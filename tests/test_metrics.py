@@ -150,6 +150,17 @@ def test_a_refinement_the_window_cannot_tell_apart_keeps_its_coefficient():
     assert ridge.a2a_latency > 2e-3 and ridge.bin_overhead < 4e-3  # what the rule prevents
     for model in (fitted, ridge):  # both explain what was measured
         assert relative_error(predict(model, only_ulysses[0], includes_comm=True), only_ulysses[1]) < 0.01
+    # a latency held at a value left from earlier windows that the fixed cost cannot make up (bin_overhead would
+    # go negative and is pinned at 0) is refitted after all
+    stale = start.replace(a2a_latency=2e-3)
+    small = COST.replace(a2a_latency=0.3e-3, bin_overhead=0.2e-3)
+    feats = np.array([bin_features(stale, rng.integers(256, 8192, size=2), 2, 1) for _ in range(60)])
+    times = predict(small, feats, includes_comm=True)
+    held = CostCalibrator()
+    held.add(feats, times, includes_comm=True)
+    refitted = held.refit(stale)
+    assert refitted.bin_overhead == 0.0 and refitted.a2a_latency < 1e-3
+    assert relative_error(predict(refitted, feats, includes_comm=True), times) < 1e-3
     cal.add(*measure([1, 2, 4]), includes_comm=True)
     fitted = cal.refit(start)
     assert 0.5e-3 < fitted.a2a_latency < 2e-3 and fitted.bin_overhead > 4e-3
@@ -172,12 +183,17 @@ def test_the_refit_model_knows_whether_rings_were_measured():
     assert without is not COST and not without.rings_measured
     thread_timer = CostCalibrator()
     thread_timer.add(*measure(4), includes_comm=False)  # a CPU timer without comm=: the ring is not seen
-    assert not thread_timer.refit(COST).rings_measured
+    refit = thread_timer.refit(COST)
+    assert refit is not COST and not refit.rings_measured
     cal.add(*measure(4), includes_comm=True)
     measured = cal.refit(without)
     assert measured.rings_measured
     assert CostModel.from_dict(measured.to_dict()).rings_measured is True
     assert CostModel.from_dict(without.to_dict()).rings_measured is False
+    # a dict saved before the flag: a ring coefficient off its analytic value was fitted to measured rings
+    old = {k: v for k, v in COST.to_dict().items() if k != "rings_measured"}
+    assert CostModel.from_dict(old).rings_measured is False
+    assert CostModel.from_dict({**old, "ring_share": 0.1}).rings_measured is True
     for _ in range(cal.window):  # the rings leave the window; the coefficients fitted to them stay
         cal.add(*measure(1), includes_comm=True)
     assert cal.refit(measured).rings_measured

@@ -190,7 +190,7 @@ def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeyp
     assert step_time(robust) < 0.8 * step_time(fragile)  # under the truth
 
 
-def test_unmeasured_rings_are_charged_over_links_as_slow_as_the_measured_all_to_all(monkeypatch):
+def test_unmeasured_rings_are_charged_over_links_as_slow_as_the_measured_all_to_all():
     """A closed loop whose plans ran no ring (Megatron's, at 32K) leaves the ring's coefficients analytic, while it
     finds the all-to-all, over the same intra-node link, 3.2x slower than assumed (a 512-rank loop at 90% fill
     under the ``worst`` truth, whose coefficients these are). Rings are then charged as the analytic model says, and

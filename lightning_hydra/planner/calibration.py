@@ -276,7 +276,8 @@ class CostCalibrator:
         theta0 = coefficients(cost)
         theta = theta0.copy()
         free = norms > 0  # a feature absent from the window leaves its coefficient alone
-        free &= ~self._inseparable(a, norms, free)
+        held = self._inseparable(a, norms, free)
+        free &= ~held
         # active set: a coefficient the unconstrained fit drives below zero is pinned (rates at their current
         # value, the others at zero) and the rest is refitted without it
         for _ in range(NUM_FEATURES):
@@ -298,6 +299,10 @@ class CostCalibrator:
                 break
             theta[negative] = np.where(_POSITIVE, theta0, 0.0)[negative]
             free &= ~negative
+            # a refinement held because it matched a column now pinned is told apart again, and refitted
+            released = held & ~self._inseparable(a, norms, free | held)
+            free |= released
+            held &= ~released
         low, high = theta0[_POSITIVE] / self.max_change, theta0[_POSITIVE] * self.max_change
         if np.any(theta[_POSITIVE] <= 0) or np.any((theta[_POSITIVE] < low) | (theta[_POSITIVE] > high)):
             self.skipped += 1
@@ -311,8 +316,8 @@ class CostCalibrator:
         return cost.replace(**values)
 
     def _inseparable(self, a: np.ndarray, norms: np.ndarray, free: np.ndarray) -> np.ndarray:
-        """Refinements (:data:`REFINEMENTS`, in that order) whose normalised column lies within
-        :attr:`min_separation` of the span of the other columns still fitted."""
+        """Refinements (:data:`REFINEMENTS`, in that order) among ``free`` whose normalised column lies within
+        :attr:`min_separation` of the span of the other ``free`` columns (those not yet held)."""
         out = np.zeros(NUM_FEATURES, dtype=bool)
         fitted = free.copy()
         z = a / np.where(norms > 0, norms, 1.0)

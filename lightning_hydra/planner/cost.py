@@ -50,7 +50,8 @@ ArrayLike = np.ndarray | float | int
 class CostModel:
     """Predicted time (seconds) of a rank's work in one microbatch.
 
-    All coefficients are per *training* pass (forward plus backward) and are plain floats so they can be refitted.
+    All coefficients are per *training* pass (forward plus backward) and are plain floats so they can be refitted
+    (``ranks_per_node`` is an int and ``rings_measured`` a flag; :meth:`from_dict` restores both from floats).
     """
 
     attn: float
@@ -92,9 +93,10 @@ class CostModel:
     """Weight of the ring traffic that the bin's attention fails to hide (1: transfers and attention overlap
     perfectly, the rest is exposed)."""
     rings_measured: bool = False
-    """Whether calibration has fitted the ring's coefficients (``ring_share``, ``ring_exposure``) to measured rings;
-    ``False``: they are the analytic ones, which the planner's robust choice then trusts less
-    (:func:`~lightning_hydra.planner.robust.ensemble`)."""
+    """Whether a calibration window has held ring traffic, so that ``ring_share`` (and ``ring_exposure`` where the
+    traffic exceeded its attention) were fitted to measured rings; ``False``: they are the analytic ones, and the
+    planner's robust choice charges rings over slower links too (:func:`~lightning_hydra.planner.robust.ensemble`).
+    Rings that attention hid entirely set it as well, though they say little of what an exposed ring costs."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -185,12 +187,15 @@ class CostModel:
     @classmethod
     def from_dict(cls, values: dict[str, float]) -> CostModel:
         """Inverse of :meth:`to_dict` (fields a dict from an older version lacks keep their defaults, but the ring's
-        intra-node link defaults to the dict's all-to-all bandwidth, as :meth:`for_transformer` sets it)."""
+        intra-node link defaults to the dict's all-to-all bandwidth, as :meth:`for_transformer` sets it, and
+        ``rings_measured`` to whether a ring coefficient is off its analytic value)."""
         values = dict(values)
         if "ranks_per_node" in values:
             values["ranks_per_node"] = int(values["ranks_per_node"])
         if "rings_measured" in values:
             values["rings_measured"] = bool(values["rings_measured"])
+        else:  # a dict from before the flag: a ring term off its analytic value was fitted to measured rings
+            values["rings_measured"] = values.get("ring_share", 0.0) != 0.0 or values.get("ring_exposure", 1.0) != 1.0
         if "intra_node_ring_bandwidth" not in values and "intra_node_bandwidth" in values:
             values["intra_node_ring_bandwidth"] = values["intra_node_bandwidth"]
         return cls(**values)

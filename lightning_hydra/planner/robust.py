@@ -5,11 +5,11 @@ refits coefficients but cannot repair a form it lacks. So every candidate is sco
 planner's model and variants that charge, each in one direction, what a truth of another form may charge more
 (communication twice as slow, a share of ring traffic exposed whatever attention hides, attention below peak on
 short per-rank chunks, per-sequence and per-microbatch overheads, ring transfers hidden no better than perfect
-overlap). The chosen candidate minimises its largest
-*regret* (span under a model over the best candidate's span under that model) among the candidates that the
-planner's own model predicts no worse than the baselines: by construction the chosen plan is never predicted worse
-than its baseline candidates (:data:`~lightning_hydra.planner.hydra.MCORE_MARGIN` may then keep Megatron's plan
-instead, which is never predicted worse than static's).
+overlap and, until calibration has measured a ring, over links as slow as it found the all-to-all). The chosen
+candidate minimises its largest *regret* (span under a model over the best candidate's span under that model)
+among the candidates that the planner's own model predicts no worse than the baselines: by construction the chosen
+plan is never predicted worse than its baseline candidates (:data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`
+may then keep Megatron's plan instead, which is never predicted worse than static's).
 """
 
 from __future__ import annotations
