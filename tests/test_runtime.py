@@ -157,6 +157,38 @@ def test_step_gather_returns_rows_in_rank_order() -> None:
         assert table == [[r, r + 0.5, -r, 1.0, 2.0] for r in range(3)]
 
 
+def _refit(rank: int, world: int) -> dict:
+    import numpy as np
+
+    from lightning_hydra.planner import CostModel
+    from lightning_hydra.planner.calibration import bin_features, predict
+
+    config = PlannerConfig(ranks_per_node=2, max_tokens_per_rank=64)
+    runtime = PoolRuntime(planner_config=config, device=torch.device("cpu"), global_rank=rank, world_size=world)
+    runtime.cost_model = CostModel.for_transformer(256, 4, 8, flops_per_second=1e12)
+    start, initial = runtime.cost_version, runtime.cost_model.to_dict()
+    rng = np.random.default_rng(0)  # the same table on every rank, as the step's gather gives
+    feats = np.array(
+        [bin_features(runtime.cost_model, rng.integers(256, 8192, size=1 + i % 3), 1 + i % 2, 1) for i in range(24)]
+    )
+    runtime.calibrator.add(feats, 1.5 * predict(runtime.cost_model, feats, includes_comm=True), includes_comm=True)
+    if rank == 1:  # this rank's refit is skipped (a guard, rounding on another host)
+        runtime.calibrator.refit = lambda cost: cost
+    runtime.adopt_refit()
+    first = runtime.cost_version
+    runtime.calibrator.refit = lambda cost: cost  # every refit skipped: the broadcast still runs, nothing changes
+    runtime.adopt_refit()
+    return {"cost": runtime.cost_model.to_dict(), "initial": initial, "versions": (start, first, runtime.cost_version)}
+
+
+def test_every_rank_adopts_rank_0s_refit_even_where_its_own_was_skipped() -> None:
+    first, second = run_world(2, _refit, timeout=120)
+    assert first["cost"] == second["cost"]
+    assert first["cost"] != first["initial"]  # rank 0 refitted, and rank 1 took its model
+    assert first["versions"][1] == first["versions"][0] + 1 and first["versions"][2] == first["versions"][1]
+    assert second["versions"] == first["versions"]
+
+
 class _FakeEvent:
     synchronized = 0
 

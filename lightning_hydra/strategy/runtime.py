@@ -240,6 +240,17 @@ class HydraRuntime(ABC):
         """The refitted model every rank adopts (distributed: rank 0's)."""
         return cost
 
+    def adopt_refit(self) -> None:
+        """Refit the cost model from the calibrator's window and adopt rank 0's result on every rank.
+
+        Every rank joins the broadcast, refitted or not: ranks refit the same gathered table, but one whose refit a
+        guard skipped (BLAS may round differently on another host) must not leave the others waiting in it. The
+        model (and :attr:`cost_version`) changes only where rank 0's differs from the current one.
+        """
+        shared = self._share_cost(self.calibrator.refit(self.cost_model))
+        if shared != self.cost_model:
+            self.cost_model = shared
+
     @property
     def timer_includes_comm(self) -> bool:
         """Whether measured busy time includes communication (CUDA events) rather than excluding it (CPU time)."""
@@ -288,9 +299,7 @@ class HydraRuntime(ABC):
             # in the 4-rank demo on 2 cores), so it is not fitted there.
             comm = None if record.includes_comm or self.oversubscribed else record.comm.ravel()
             self.calibrator.add(features, record.busy.ravel(), includes_comm=record.includes_comm, comm=comm)
-            refit = self.calibrator.refit(self.cost_model)
-            if refit is not self.cost_model:
-                self.cost_model = self._share_cost(refit)
+            self.adopt_refit()
         self.last_record = record
         self.measure_seconds = time.perf_counter() - start
         return record
