@@ -276,7 +276,9 @@ class CostCalibrator:
         theta0 = coefficients(cost)
         theta = theta0.copy()
         free = norms > 0  # a feature absent from the window leaves its coefficient alone
-        held = self._inseparable(a, norms, free)
+        scale = np.where(norms > 0, norms, 1.0)
+        gram = (a.T @ a) / np.outer(scale, scale)  # of the normalised columns: unit diagonal where one is present
+        held = self._inseparable(gram, free)
         free &= ~held
         # active set: a coefficient the unconstrained fit drives below zero is pinned (rates at their current
         # value, the others at zero) and the rest is refitted without it
@@ -300,7 +302,7 @@ class CostCalibrator:
             theta[negative] = np.where(_POSITIVE, theta0, 0.0)[negative]
             free &= ~negative
             # a refinement held because it matched a column now pinned is told apart again, and refitted
-            released = held & ~self._inseparable(a, norms, free | held)
+            released = held & ~self._inseparable(gram, free | held)
             free |= released
             held &= ~released
         low, high = theta0[_POSITIVE] / self.max_change, theta0[_POSITIVE] * self.max_change
@@ -315,13 +317,12 @@ class CostCalibrator:
         self._bandwidth = values["intra_node_bandwidth"]
         return cost.replace(**values)
 
-    def _inseparable(self, a: np.ndarray, norms: np.ndarray, free: np.ndarray) -> np.ndarray:
+    def _inseparable(self, gram: np.ndarray, free: np.ndarray) -> np.ndarray:
         """Refinements (:data:`REFINEMENTS`, in that order) among ``free`` whose normalised column lies within
-        :attr:`min_separation` of the span of the other ``free`` columns (those not yet held)."""
+        :attr:`min_separation` of the span of the other ``free`` columns (those not yet held), from the Gram matrix
+        of the normalised columns (computed once per refit)."""
         out = np.zeros(NUM_FEATURES, dtype=bool)
         fitted = free.copy()
-        z = a / np.where(norms > 0, norms, 1.0)
-        gram = z.T @ z  # unit diagonal where a column is present
         for j in REFINEMENTS:
             if not fitted[j]:
                 continue
