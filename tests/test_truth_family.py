@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_hydra.bench.batches import make_batch
-from lightning_hydra.bench.robust import LLAMA_8B
+from lightning_hydra.bench.robust import LLAMA_8B, _plan, efficiency
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, bin_features, plan_features, predict, relative_error
@@ -171,23 +171,14 @@ def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeyp
     lengths = make_batch("stdlib", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=0)
     hw = truth("share50", LLAMA_8B.num_layers)
 
-    def plan():
-        return schedule(
-            lengths, world_size=32, num_microbatches=4, max_tokens_per_rank=4096, cost=fitted, ranks_per_node=8,
-            num_heads=32, num_kv_heads=8, max_seq_len=32768,
-        )  # fmt: skip
-
-    def step_time(p):
-        times, _ = plan_times(p, model=LLAMA_8B, hardware=hw, layers=LLAMA_8B.num_layers, head_share=1.0)
-        return float(times.max(axis=1).sum())
-
-    robust = plan()
+    robust, _ = _plan(lengths, "hydra", fitted, 32, "32K", 4)  # as the robustness benchmark plans
     assert robust.stats["candidate"] != "fine/load"
     with monkeypatch.context() as m:
         m.setattr(hydra_module, "ensemble", lambda cost: ensemble(cost)[:-1])
-        fragile = plan()
+        fragile, _ = _plan(lengths, "hydra", fitted, 32, "32K", 4)
     assert fragile.stats["candidate"] == "fine/load"  # what the member prevents
-    assert step_time(robust) < 0.8 * step_time(fragile)  # under the truth
+    # the same batch's efficiency under the truth: the robust plan's step time under 0.8x the fragile one's
+    assert efficiency(fragile, hw)[0] < 0.8 * efficiency(robust, hw)[0]
 
 
 def test_unmeasured_rings_are_charged_over_links_as_slow_as_the_measured_all_to_all():
@@ -209,17 +200,10 @@ def test_unmeasured_rings_are_charged_over_links_as_slow_as_the_measured_all_to_
     lengths = make_batch("pareto", world_size=32, capacity=4096, num_microbatches=8, fill=0.9, context=32768, seed=2)
     hw = truth("worst", LLAMA_8B.num_layers)
 
-    def step_time(cost: CostModel) -> tuple[str, float]:
-        plan = schedule(
-            lengths, world_size=32, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, ranks_per_node=8,
-            num_heads=32, num_kv_heads=8, max_seq_len=32768,
-        )  # fmt: skip
-        times, _ = plan_times(plan, model=LLAMA_8B, hardware=hw, layers=LLAMA_8B.num_layers, head_share=1.0)
-        return str(plan.stats["candidate"]), float(times.max(axis=1).sum())
-
-    trusting, unmeasured = step_time(measured), step_time(fitted)
-    assert trusting[0] == "fine/load" and unmeasured[0] != "fine/load"
-    assert unmeasured[1] < 0.98 * trusting[1]
+    (trusting, _), (unmeasured, _) = (_plan(lengths, "hydra", c, 32, "32K", 8) for c in (measured, fitted))
+    assert trusting.stats["candidate"] == "fine/load" and unmeasured.stats["candidate"] != "fine/load"
+    # the same batch's efficiency under the truth: the choice's step time under 0.98x the trusting one's
+    assert efficiency(trusting, hw)[0] < 0.98 * efficiency(unmeasured, hw)[0]
 
 
 def test_pipeline_plans_are_scored_by_their_1f1b_step_time():
@@ -458,7 +442,7 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
     """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
     summary and tables carry it; batches may hold another share of the pool's tokens and be planned into another
     number of microbatches."""
-    from lightning_hydra.bench.robust import _batches, _plan, _request, markdown, run_pool, summarize
+    from lightning_hydra.bench.robust import _batches, _request, markdown, run_pool, summarize
     from lightning_hydra.planner.hydra import candidate_plans
 
     # the benchmark's candidates are planned from the request its hydra plan came from
