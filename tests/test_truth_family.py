@@ -459,11 +459,15 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
         cal = cell["calibrated"]
         assert cal["best_candidate_over_mcore"] >= cal["hydra_over_mcore"]
         assert len(cal["best_candidates"]) == 1
+        assert max(cal["hydra"], cal["mcore"], cal["static"]) <= cal["ceiling"] < 1  # no plan beats the ceiling
+        assert cal["hydra_of_ceiling"] == pytest.approx(cal["hydra"] / cal["ceiling"], abs=2e-4)
     summary = summarize(cells)["256K"]
     assert summary["worst_best_candidate_over_mcore"] == min(
         c["calibrated"]["best_candidate_over_mcore"] for c in cells
     )
-    assert "best candidate / mcore there" in markdown(cells)
+    assert summary["cells_ceiling_below_target"] == sum(c["calibrated"]["ceiling"] < 0.9 for c in cells)
+    tables = markdown(cells)
+    assert "best candidate / mcore there" in tables and "256K ceiling" in tables
 
 
 def test_megatrons_plan_is_kept_unless_beaten_by_the_margin(monkeypatch):

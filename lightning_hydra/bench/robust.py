@@ -22,7 +22,10 @@ Besides: ``hydra_over_mcore`` of both, what the calibrated model predicts for hy
 calibrated model's relative error on the evaluation batches under the truth, and ``best_candidate_over_mcore``: the
 best of the calibrated hydra's candidates under the truth (:func:`~lightning_hydra.planner.hydra.candidate_plans`),
 which bounds what any choice among them could reach. Where hydra falls short of a target and its best candidate
-does not, the choice missed; where both fall short, no candidate reaches the target.
+does not, the choice missed; where both fall short, no candidate reaches the target. And ``ceiling``: the highest
+efficiency *any* plan of the held-out batches can reach under the truth (:mod:`lightning_hydra.sim.ceiling`: perfect
+balance with every sequence at its cheapest degree; an upper bound, not a reachable target), with
+``hydra_of_ceiling``; where the ceiling is below :data:`EFFICIENCY_TARGET`, no scheduler meets that target there.
 """
 
 from __future__ import annotations
@@ -42,11 +45,15 @@ from lightning_hydra.bench.schedule import CONTEXTS, llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlanRequest, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.planner.hydra import candidate_plans
+from lightning_hydra.sim.ceiling import efficiency_ceiling
 from lightning_hydra.sim.family import TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import plan_times, useful_time
 
-__all__ = ["LLAMA_8B", "efficiency", "main", "run_pool"]
+__all__ = ["EFFICIENCY_TARGET", "LLAMA_8B", "efficiency", "main", "run_pool"]
+
+EFFICIENCY_TARGET = 0.90
+"""The efficiency the summary counts cells against (the planner's target at 256K contexts)."""
 
 LLAMA_8B = ModelShape(
     hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256
@@ -143,6 +150,10 @@ def run_pool(
             **{p: round(v, 4) for p, v in eff.items()},
             "hydra_over_mcore": round(eff["hydra"] / eff["mcore"], 4),
         }
+        ceiling = statistics.fmean(
+            efficiency_ceiling(b, world_size=world, capacity=CONTEXTS[context][1], model=LLAMA_8B, hardware=hw)
+            for b in held_out
+        )
         cost = _closed_loop(loop, hw, world, context, mbs)
         cal, own_h, own_m, errors, picks, best, best_names = [], [], [], [], [], [], []
         for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
@@ -168,6 +179,8 @@ def run_pool(
             "candidates": picks,
             "best_candidate_over_mcore": round(statistics.fmean(best) / eff["mcore"], 4),
             "best_candidates": best_names,
+            "ceiling": round(ceiling, 4),
+            "hydra_of_ceiling": round(hydra / ceiling, 4),
         }
         cell["schedule_ms"] = {p: round(statistics.median(ms for _, ms in runs), 1) for p, runs in fixed.items()}
         cells.append(cell)
@@ -198,6 +211,9 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "cells_where_best_candidate_below_mcore": sum(
                 c["calibrated"]["best_candidate_over_mcore"] < 1 for c in mine
             ),
+            "cells_hydra_efficiency_at_target": sum(c["calibrated"]["hydra"] >= EFFICIENCY_TARGET for c in mine),
+            "cells_ceiling_below_target": sum(c["calibrated"]["ceiling"] < EFFICIENCY_TARGET for c in mine),
+            "lowest_hydra_of_ceiling": min(c["calibrated"]["hydra_of_ceiling"] for c in mine),
             "cells": len(mine),
         }
     return out
@@ -209,34 +225,49 @@ def markdown(cells: list[dict[str, Any]]) -> str:
     distributions."""
     lines = [
         "| pool | context | distribution | worst truth (calibrated) | hydra / mcore worst, calibrated | "
-        "best candidate / mcore there | mean | uncalibrated worst | hydra eff. min, calibrated | mcore eff. min |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "best candidate / mcore there | mean | uncalibrated worst | hydra eff. min, calibrated | ceiling there | "
+        "mcore eff. min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(c["world_size"], c["context"], c["distribution"]) for c in cells}, key=lambda k: (k[0], k[1], k[2]))
     for key in keys:
         mine = [c for c in cells if (c["world_size"], c["context"], c["distribution"]) == key]
         worst = min(mine, key=lambda c: c["calibrated"]["hydra_over_mcore"])
+        low = min(mine, key=lambda c: c["calibrated"]["hydra"])
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2]} | {worst['truth']} | {worst['calibrated']['hydra_over_mcore']:.3f} | "
             f"{worst['calibrated']['best_candidate_over_mcore']:.3f} | "
             f"{statistics.fmean(c['calibrated']['hydra_over_mcore'] for c in mine):.3f} | "
             f"{min(c['uncalibrated']['hydra_over_mcore'] for c in mine):.3f} | "
-            f"{min(c['calibrated']['hydra'] for c in mine):.3f} | {min(c['calibrated']['mcore'] for c in mine):.3f} |"
+            f"{low['calibrated']['hydra']:.3f} | {low['calibrated']['ceiling']:.3f} | "
+            f"{min(c['calibrated']['mcore'] for c in mine):.3f} |"
         )
+    contexts = sorted({c["context"] for c in cells})
     lines += [
         "",
         "| truth | "
-        + " | ".join(f"{ctx} worst hydra / mcore (cal.)" for ctx in sorted({c["context"] for c in cells}))
-        + " |",
-    ]
-    contexts = sorted({c["context"] for c in cells})
-    lines.append("|---|" + "---|" * len(contexts))
-    for name in [t for t in TRUTHS if any(c["truth"] == t for c in cells)]:
-        row = [
-            min(c["calibrated"]["hydra_over_mcore"] for c in cells if c["truth"] == name and c["context"] == ctx)
+        + " | ".join(
+            f"{ctx} worst hydra / mcore (cal.) | {ctx} hydra eff. (cal.) | {ctx} ceiling | {ctx} hydra / ceiling"
             for ctx in contexts
-        ]
-        lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+        )
+        + " |",
+        "|---|" + "---|---|---|---|" * len(contexts),
+    ]
+    for name in [t for t in TRUTHS if any(c["truth"] == t for c in cells)]:
+        row = []
+        for ctx in contexts:
+            mine = [c["calibrated"] for c in cells if c["truth"] == name and c["context"] == ctx]
+            if not mine:
+                row += ["-"] * 4
+                continue
+            hyd, ceil, of = ([m[k] for m in mine] for k in ("hydra", "ceiling", "hydra_of_ceiling"))
+            row += [
+                f"{min(m['hydra_over_mcore'] for m in mine):.3f}",
+                f"{min(hyd):.3f}-{max(hyd):.3f}",
+                f"{min(ceil):.3f}-{max(ceil):.3f}",
+                f"{min(of):.3f}-{max(of):.3f}",
+            ]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"  # fmt: skip
 
 
