@@ -470,6 +470,23 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
     assert "best candidate / mcore there" in tables and "256K ceiling" in tables
 
 
+def test_robustness_cells_plan_and_time_the_model_asked():
+    """``--model`` plans with that model's heads and analytic costs and times it under the truth at its layers: the
+    cell names it and its figures are that model's, not Llama-3-8B's."""
+    from lightning_hydra.bench.robust import LLAMA_70B, analytic_cost, main, run_pool
+
+    assert analytic_cost(LLAMA_8B) == llama8b_cost()
+    big = analytic_cost(LLAMA_70B)
+    assert big.linear > 8 * llama8b_cost().linear  # 70B-shaped coefficients, not the default's
+    small = run_pool(64, "32K", "stdlib", ["base"], steps=1, evaluations=1)[0]
+    cell = run_pool(64, "32K", "stdlib", ["base"], steps=1, evaluations=1, model=LLAMA_70B)[0]
+    assert cell["model"] == "llama3-70b" and "model" not in small
+    assert cell["calibrated"]["mcore"] != small["calibrated"]["mcore"]
+    assert max(cell["calibrated"]["hydra"], cell["calibrated"]["mcore"]) <= cell["calibrated"]["ceiling"]
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt5"])
+
+
 def test_megatrons_plan_is_kept_unless_beaten_by_the_margin(monkeypatch):
     """Within the budget hydra keeps mcore's placement unless its pick is predicted MCORE_MARGIN faster: on a batch
     where the memory-driven formation is predicted 0.1% faster (a per-microbatch cost makes mcore's dense packing

@@ -7,6 +7,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust --markdown t.md  # also writes the README's tables
     python -m lightning_hydra.bench.robust --fill 0.9       # batches at 90% of the pool's tokens (default 75%)
     python -m lightning_hydra.bench.robust --microbatches 16  # batches planned into 16 microbatches (default 8)
+    python -m lightning_hydra.bench.robust --model llama3-70b  # another model shape (default Llama-3-8B)
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from lightning_hydra.bench.batches import DISTRIBUTIONS, make_batch
-from lightning_hydra.bench.schedule import CONTEXTS, llama8b_cost
+from lightning_hydra.bench.schedule import CONTEXTS
 from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlanRequest, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.planner.hydra import candidate_plans
@@ -50,7 +51,7 @@ from lightning_hydra.sim.family import TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import plan_times, useful_time
 
-__all__ = ["EFFICIENCY_TARGET", "LLAMA_8B", "efficiency", "main", "run_pool"]
+__all__ = ["EFFICIENCY_TARGET", "LLAMA_70B", "LLAMA_8B", "MODELS", "analytic_cost", "efficiency", "main", "run_pool"]
 
 EFFICIENCY_TARGET = 0.90
 """The efficiency the summary counts cells against (the planner's target at 256K contexts)."""
@@ -58,7 +59,19 @@ EFFICIENCY_TARGET = 0.90
 LLAMA_8B = ModelShape(
     hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256
 )
-"""The model every cell plans and times (Llama-3-8B shape, bf16)."""
+"""The model every cell plans and times by default (Llama-3-8B shape, bf16)."""
+LLAMA_70B = ModelShape(
+    hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672, vocab_size=128256
+)
+"""A larger model with another balance of GEMM, attention and KV traffic (Llama-3-70B shape, bf16, one device per
+CP rank): ``--model llama3-70b``."""
+MODELS = {"llama3-8b": LLAMA_8B, "llama3-70b": LLAMA_70B}
+"""The models ``--model`` names."""
+
+
+def analytic_cost(model: ModelShape = LLAMA_8B) -> CostModel:
+    """The planner's analytic model of ``model`` at 400 TFLOP/s, 8 ranks per node (before any calibration)."""
+    return CostModel.for_transformer(**model.cost_model_args(), ranks_per_node=8)
 
 
 def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> tuple[float, np.ndarray]:
@@ -72,32 +85,38 @@ def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> 
 
 
 def _plan(
-    lengths: np.ndarray, policy: str, cost: CostModel, world: int, context: str, microbatches: int = 8
-) -> tuple[Plan, float]:
+    lengths: np.ndarray, policy: str, cost: CostModel, world: int, context: str, microbatches: int = 8,
+    model: ModelShape = LLAMA_8B,
+) -> tuple[Plan, float]:  # fmt: skip
     longest, capacity = CONTEXTS[context]
     start = time.perf_counter()
     plan = schedule(
         lengths, world_size=world, num_microbatches=microbatches, max_tokens_per_rank=capacity, cost=cost,
-        policy=policy, ranks_per_node=8, num_heads=32, num_kv_heads=8, max_seq_len=longest,
+        policy=policy, ranks_per_node=8, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+        max_seq_len=longest,
     )  # fmt: skip
     return plan, 1e3 * (time.perf_counter() - start)
 
 
-def _request(lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8) -> PlanRequest:
+def _request(
+    lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8,
+    model: ModelShape = LLAMA_8B,
+) -> PlanRequest:  # fmt: skip
     """The request :func:`_plan`'s ``schedule`` call builds (tests compare the plans made from both)."""
     longest, capacity = CONTEXTS[context]
     return PlanRequest(
         lengths=np.asarray(lengths, dtype=np.int64), num_microbatches=microbatches, capacity=capacity, cost=cost,
-        rules=DegreeRules(world_size=world, ranks_per_node=8, num_heads=32), max_seq_len=longest,
+        rules=DegreeRules(world_size=world, ranks_per_node=8, num_heads=model.num_heads), max_seq_len=longest,
     )  # fmt: skip
 
 
 def _best_candidate(
-    lengths: np.ndarray, cost: CostModel, hw: Hardware, world: int, context: str, microbatches: int = 8
-) -> tuple[str, float]:
+    lengths: np.ndarray, cost: CostModel, hw: Hardware, world: int, context: str, microbatches: int = 8,
+    model: ModelShape = LLAMA_8B,
+) -> tuple[str, float]:  # fmt: skip
     """The candidate of hydra's (planning as :func:`_plan` does) with the best efficiency under the truth ``hw``."""
-    plans = candidate_plans(_request(lengths, cost, world, context, microbatches))
-    scores = {name: efficiency(plan, hw)[0] for name, plan in plans.items()}
+    plans = candidate_plans(_request(lengths, cost, world, context, microbatches, model))
+    scores = {name: efficiency(plan, hw, model)[0] for name, plan in plans.items()}
     name = max(scores, key=scores.__getitem__)
     return name, scores[name]
 
@@ -114,13 +133,16 @@ def _batches(
     ]
 
 
-def _closed_loop(batches: list[np.ndarray], hw: Hardware, world: int, context: str, microbatches: int = 8) -> CostModel:
+def _closed_loop(
+    batches: list[np.ndarray], hw: Hardware, world: int, context: str, microbatches: int = 8,
+    model: ModelShape = LLAMA_8B,
+) -> CostModel:  # fmt: skip
     """The analytic model refitted over ``batches``: hydra plans each, the truth times it, calibration refits."""
-    cost = llama8b_cost()
+    cost = analytic_cost(model)
     calibrator = CostCalibrator()
     for lengths in batches:
-        plan, _ = _plan(lengths, "hydra", cost, world, context, microbatches)
-        _, times = efficiency(plan, hw)
+        plan, _ = _plan(lengths, "hydra", cost, world, context, microbatches, model)
+        _, times = efficiency(plan, hw, model)
         calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
         cost = calibrator.refit(cost)
     return cost
@@ -128,39 +150,43 @@ def _closed_loop(batches: list[np.ndarray], hw: Hardware, world: int, context: s
 
 def run_pool(
     world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int, fill: float = 0.75,
-    microbatches: int = 8,
+    microbatches: int = 8, model: ModelShape = LLAMA_8B,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every truth's cell for one pool, context and distribution (baselines planned once); batches hold ``fill`` of
-    the pool's tokens over ``microbatches`` microbatches."""
+    the pool's tokens over ``microbatches`` microbatches; ``model`` is planned and timed."""
     mbs = microbatches
     held_out = _batches(dist, world, context, range(1000, 1000 + evaluations), fill, mbs)
     loop = _batches(dist, world, context, range(2000, 2000 + steps), fill, mbs)
-    analytic = llama8b_cost()
-    fixed = {p: [_plan(b, p, analytic, world, context, mbs) for b in held_out] for p in ("mcore", "static", "hydra")}
+    analytic = analytic_cost(model)
+    fixed = {
+        p: [_plan(b, p, analytic, world, context, mbs, model) for b in held_out] for p in ("mcore", "static", "hydra")
+    }
     cells = []
     for name in truths:
-        hw = truth(name, LLAMA_8B.num_layers)
+        hw = truth(name, model.num_layers)
         cell: dict[str, Any] = {"world_size": world, "context": context, "distribution": dist, "truth": name}
         if fill != 0.75:
             cell["fill"] = fill
         if mbs != 8:
             cell["microbatches"] = mbs
-        eff = {p: statistics.fmean(efficiency(plan, hw)[0] for plan, _ in runs) for p, runs in fixed.items()}
+        if model != LLAMA_8B:
+            cell["model"] = next((key for key, shape in MODELS.items() if shape == model), str(model))
+        eff = {p: statistics.fmean(efficiency(plan, hw, model)[0] for plan, _ in runs) for p, runs in fixed.items()}
         cell["uncalibrated"] = {
             **{p: round(v, 4) for p, v in eff.items()},
             "hydra_over_mcore": round(eff["hydra"] / eff["mcore"], 4),
         }
         ceiling = statistics.fmean(
-            efficiency_ceiling(b, world_size=world, capacity=CONTEXTS[context][1], model=LLAMA_8B, hardware=hw)
+            efficiency_ceiling(b, world_size=world, capacity=CONTEXTS[context][1], model=model, hardware=hw)
             for b in held_out
         )
-        cost = _closed_loop(loop, hw, world, context, mbs)
+        cost = _closed_loop(loop, hw, world, context, mbs, model)
         cal, own_h, own_m, errors, picks, best, best_names = [], [], [], [], [], [], []
         for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
-            plan, _ = _plan(lengths, "hydra", cost, world, context, mbs)
-            e, times = efficiency(plan, hw)
+            plan, _ = _plan(lengths, "hydra", cost, world, context, mbs, model)
+            e, times = efficiency(plan, hw, model)
             cal.append(e)
-            name, e_best = _best_candidate(lengths, cost, hw, world, context, mbs)
+            name, e_best = _best_candidate(lengths, cost, hw, world, context, mbs, model)
             best.append(e_best)
             best_names.append(name)
             own_h.append(plan.efficiency(cost))
@@ -283,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evaluations", type=int, default=2, help="held-out batches per cell (1 at 2,048 ranks)")
     parser.add_argument("--fill", type=float, default=0.75, help="share of the pool's tokens a batch holds")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches each batch is planned into")
+    parser.add_argument("--model", default="llama3-8b", choices=list(MODELS), help="the model planned and timed")
     parser.add_argument("--markdown", default=None, help="write the README tables to this file")
     args = parser.parse_args(argv)
     if not 0 < args.fill <= 1:
@@ -298,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 evaluations = 1 if world >= 2048 else args.evaluations
                 cells += run_pool(
                     world, context, dist, args.truths, steps=args.steps, evaluations=evaluations, fill=args.fill,
-                    microbatches=args.microbatches,
+                    microbatches=args.microbatches, model=MODELS[args.model],
                 )  # fmt: skip
     summary = {"summary": summarize(cells), "seconds": round(time.perf_counter() - start, 1), "load": os.getloadavg()}
     print(json.dumps(summary), flush=True)
