@@ -13,7 +13,15 @@ from lightning_hydra.bench.robust import LLAMA_8B, _plan, efficiency
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, bin_features, plan_features, predict, relative_error
-from lightning_hydra.planner.robust import Scored, choose, ensemble, span_of, spans_of
+from lightning_hydra.planner.robust import (
+    MEASURED_COMM_WEIGHT,
+    Scored,
+    choose,
+    ensemble,
+    member_weights,
+    span_of,
+    spans_of,
+)
 from lightning_hydra.sim import Hardware, ModelShape, bin_time
 from lightning_hydra.sim.family import TRUTHS, truth
 from lightning_hydra.sim.truth import plan_times
@@ -153,6 +161,48 @@ def test_choice_is_the_smallest_worst_regret_never_worse_than_a_baseline():
             Scored("second", np.array([1.0 * (1 + eps), 1.1, 1.0]), True),
         ]
         assert choose(tied)[0] == 0
+
+
+def test_weighted_regret_lets_a_measured_model_outvote_half_a_hedge():
+    """A candidate the planner's model predicts 2% faster and the slower-communication member charges 3% more: at
+    full weight the other wins (regret 1.03 against 1.02), at half weight it does (1.015); each weight scales only its
+    own model's excess. ``member_weights`` halves that member only once rings were measured."""
+    scored = [
+        Scored("fine", np.array([1.00, 1.03, 1.0]), False),
+        Scored("coarse", np.array([1.02, 1.00, 1.0]), False),
+    ]
+    assert scored[choose(scored)[0]].name == "coarse"
+    pick, regret = choose(scored, np.array([1.0, 0.5, 1.0]))
+    assert scored[pick].name == "fine"
+    assert regret == pytest.approx({"fine": 1.015, "coarse": 1.02})
+    cost = llama8b_cost()
+    assert len(member_weights(cost)) == len(ensemble(cost))
+    assert (member_weights(cost) == 1).all()
+    measured = member_weights(cost.replace(rings_measured=True))
+    slow = ensemble(cost)[1]
+    assert slow.inter_node_bandwidth == cost.inter_node_bandwidth / 2  # the member the weight is for
+    assert measured[1] == MEASURED_COMM_WEIGHT and (np.delete(measured, 1) == 1).all()
+
+
+def test_a_calibrated_model_is_not_outvoted_by_a_full_weight_bandwidth_hedge(monkeypatch):
+    """After a closed loop that timed rings (64 ranks, 256K standard-library lengths, 4 microbatches, ``base``
+    truth), the calibrated model predicts the fine candidate fastest and the member with communication twice as slow
+    charges it more: at full weight hydra took a lifted power-of-two candidate instead; with the member at half
+    weight it takes the fine one, which the truth times more than 3% faster."""
+    import lightning_hydra.planner.robust as robust_module
+    from lightning_hydra.bench.robust import _batches, _closed_loop
+
+    hw = truth("base", LLAMA_8B.num_layers)
+    cost = _closed_loop(_batches("stdlib", 64, "256K", range(2000, 2002), 0.75, 4), hw, 64, "256K", 4)
+    assert cost.rings_measured
+    batch = _batches("stdlib", 64, "256K", range(1000, 1001), 0.75, 4)[0]
+    half, _ = _plan(batch, "hydra", cost, 64, "256K", 4)
+    with monkeypatch.context() as m:
+        m.setattr(robust_module, "MEASURED_COMM_WEIGHT", 1.0)
+        full, _ = _plan(batch, "hydra", cost, 64, "256K", 4)
+    assert half.stats["candidate"] == "fine/load" != full.stats["candidate"]
+    assert half.efficiency(cost) > full.efficiency(cost)  # the planner's own model prefers it
+    assert efficiency(half, hw)[0] > 1.03 * efficiency(full, hw)[0]
 
 
 def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeypatch):

@@ -30,7 +30,7 @@ from lightning_hydra.planner.formation import DegreeSet, Formation, _Tables, for
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
-from lightning_hydra.planner.robust import TIE, Scored, choose, ensemble, spans_of
+from lightning_hydra.planner.robust import TIE, Scored, choose, ensemble, member_weights, spans_of
 from lightning_hydra.planner.static import StaticLayout, static_layout
 
 __all__ = [
@@ -147,6 +147,7 @@ def _choice(req: PlanRequest) -> _Choice:
     formed = candidates(req)
     static = static_layout(req)
     models = ensemble(req.cost)
+    weights = member_weights(req.cost)
 
     def spans(*flat: np.ndarray | int, crosses: np.ndarray | None = None) -> np.ndarray:
         return spans_of(models, lengths, *flat, req.pipeline_stages, crosses)
@@ -158,14 +159,14 @@ def _choice(req: PlanRequest) -> _Choice:
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
     mcore = schedule_mcore_fast(req) if _within(req, budget) else None
     if mcore is None:
-        pick, regret = choose(scored)
+        pick, regret = choose(scored, weights)
         if req.mcore_budget is None and scored[pick].name.endswith("/memory") and _within(req, MCORE_BUDGET_MEMORY):
             mcore = schedule_mcore_fast(req)
     if mcore is not None:
         mb, start, u, r, seq, gid = mcore.flat()
         crosses = req.cost.crossing(start, u * r)
         scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches, crosses=crosses), True))
-        pick, regret = choose(scored)
+        pick, regret = choose(scored, weights)
         if scored[pick].name != "mcore":
             own, static_own = scored[-1].spans[0], scored[len(formed)].spans[0]  # mcore's (scored last) and static's
             if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):

@@ -6,8 +6,9 @@ planner's model and variants that charge, each in one direction, what a truth of
 (communication twice as slow, a share of ring traffic exposed whatever attention hides, attention below peak on
 short per-rank chunks, per-sequence and per-microbatch overheads, ring transfers hidden no better than perfect
 overlap and, until calibration has measured a ring, over links as slow as it found the all-to-all). The chosen
-candidate minimises its largest *regret* (span under a model over the best candidate's span under that model)
-among the candidates that the planner's own model predicts no worse than the baselines: by construction the chosen
+candidate minimises its largest *regret* (span under a model over the best candidate's span under that model; the
+member with slower communication counts half once calibration has measured rings, :func:`member_weights`) among the
+candidates that the planner's own model predicts no worse than the baselines: by construction the chosen
 plan is never predicted worse than its baseline candidates (:data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`
 may then keep Megatron's plan instead, which is never predicted worse than static's).
 """
@@ -20,7 +21,23 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 
-__all__ = ["TIE", "Scored", "choose", "ensemble", "span_of", "spans_of"]
+__all__ = ["MEASURED_COMM_WEIGHT", "TIE", "Scored", "choose", "ensemble", "member_weights", "span_of", "spans_of"]
+
+MEASURED_COMM_WEIGHT = 0.5
+"""Weight in the regret of the member whose communication runs twice as slow, once calibration has measured ring
+traffic (``CostModel.rings_measured``): a candidate's regret under it counts half. That member hedges a bandwidth
+the planner only assumed; a loop that timed rings has fitted the links, and where the calibrated model then
+predicted a candidate 2-3% faster and the member charged it 3% more, the member's full weight cost up to 2.2% under
+the truth (Llama-3-70B shape, 512 ranks, 256K lognormal, ``worst``: the calibrated model within 0.02% of the truth,
+hydra 1.024x mcore with full weight, 1.046x with half). Half, not zero: where the fit extrapolates (a ring shape or
+link the loop never ran), the member still steers (64 ranks, 32K, 4 microbatches: halving the member's slowdown to
+1.5x instead put one cell at 0.925x mcore: hydra took the fine candidate on one of its two batches). Before any ring
+was measured the member weighs in full. See the README's robustness section."""
+
+_MEMBERS = 6
+"""Members of :func:`ensemble`."""
+_COMM_MEMBER = 1
+"""Index in :func:`ensemble` of the member whose links run at half their bandwidth."""
 
 TIE = 1e-12
 """Relative difference below which two spans or regrets count as equal (rounding, not a difference of plans)."""
@@ -55,6 +72,20 @@ def ensemble(cost: CostModel) -> list[CostModel]:
         cost.replace(seq_overhead=cost.seq_overhead + 50e-6, bin_overhead=cost.bin_overhead + 1e-3),
         _ring_member(cost),
     ]
+
+
+def member_weights(cost: CostModel) -> np.ndarray:
+    """Weight of each :func:`ensemble` member's regret in :func:`choose` (the planner's own model and every
+    perturbed member 1, but the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has
+    measured ring traffic).
+
+    Args:
+        cost: The planner's (possibly calibrated) model.
+    """
+    weights = np.ones(_MEMBERS)
+    if cost.rings_measured:
+        weights[_COMM_MEMBER] = MEASURED_COMM_WEIGHT
+    return weights
 
 
 def _ring_member(cost: CostModel) -> CostModel:
@@ -168,17 +199,25 @@ class Scored:
     """Whether hydra must never be predicted worse than this one."""
 
 
-def choose(scored: list[Scored]) -> tuple[int, dict[str, float]]:
+def choose(scored: list[Scored], weights: np.ndarray | None = None) -> tuple[int, dict[str, float]]:
     """Index of the candidate with the smallest worst-case regret among those the planner's model predicts no
     worse than every baseline (ties within :data:`TIE`: the smaller predicted span, then the earlier candidate),
     and the regrets.
 
+    A candidate's regret under a model is its span over the best candidate's span under that model; with
+    ``weights`` the excess over 1 is scaled per model (``1 + w * (ratio - 1)``, :func:`member_weights`), and its
+    regret is the largest over the models.
+
     Args:
         scored: Every candidate with its spans.
+        weights: Weight of each model's regret (at least one per model; the first ones apply). ``None``: all 1.
     """
     spans = np.stack([s.spans for s in scored])
     best = spans.min(axis=0)
-    regret = (spans / np.where(best > 0, best, 1.0)).max(axis=1)
+    ratio = spans / np.where(best > 0, best, 1.0)
+    if weights is not None:
+        ratio = 1.0 + (ratio - 1.0) * np.asarray(weights, dtype=np.float64)[: ratio.shape[1]]
+    regret = ratio.max(axis=1)
     bound = min((s.spans[0] for s in scored if s.baseline), default=np.inf)
     feasible = spans[:, 0] <= bound * (1 + TIE)
     key = np.where(feasible, regret, np.inf)
