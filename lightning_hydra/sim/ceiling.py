@@ -133,16 +133,8 @@ def efficiency_ceiling(
     """The highest efficiency any plan of ``lengths`` can reach under ``hardware``: the batch's useful time over
     the pool divided by :func:`span_floor` (the same efficiency as ``bench.robust.efficiency``).
 
-    Args:
-        lengths: The batch's sequence lengths.
-        world_size: Ranks of the pool.
-        capacity: Most tokens a rank holds in one microbatch.
-        model: The model's shape.
-        hardware: The truth.
-        layers: Layers timed (default: all of the model's).
-        head_share: Share of the LM head's parameters timed.
-        ulysses: The Ulysses degrees a plan may use (see :func:`span_floor`).
-        engine: The CP engine.
+    Takes :func:`span_floor`'s arguments, with ``layers`` defaulting to all of the model's and ``head_share`` to 1
+    (the whole model timed, as the robustness benchmark does).
     """
     layers = model.num_layers if layers is None else layers
     floor = span_floor(
