@@ -13,6 +13,7 @@ from lightning_hydra.planner.hydra import candidate_plans
 from lightning_hydra.sim import bin_time
 from lightning_hydra.sim.ceiling import efficiency_ceiling, span_floor
 from lightning_hydra.sim.family import TRUTHS, truth
+from lightning_hydra.sim.truth import group_times
 
 
 def _floor(lengths, world, capacity, hw, **kw):
@@ -57,6 +58,39 @@ def test_the_floor_is_exact_where_a_plan_reaches_it():
     assert _floor([4 * capacity], 4, capacity, hw, ulysses=[1]) == pytest.approx(ring - latencies, rel=1e-12)
     # with Ulysses allowed the floor takes the cheaper factorisation (it is a floor over every plan)
     assert _floor([4 * capacity], 4, capacity, hw) <= (ring - latencies) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(("name", "engine", "ulysses", "ring"), [
+    ("seq50", "hydra", 2, 1),  # per-sequence bookkeeping on every rank, all-to-all bytes at (u - 1) / u
+    ("worst", "hydra", 2, 2),  # no GQA saving, a fixed ring share, the tile floor, per-sequence bookkeeping
+    ("share25", "te-p2p", 1, 4),  # Transformer Engine's ring: dK and dV in the activation dtype
+])  # fmt: skip
+def test_the_floor_is_exact_for_every_term_where_one_group_reaches_it(name, engine, ulysses, ring):
+    """A lone sequence on ``u * r`` ranks inside a node, only that factorisation allowed: the floor is the truth's
+    time of the group but for its latencies (all-to-all and ring steps), which a plan may share and it leaves out."""
+    hw = truth(name, LLAMA_8B.num_layers)
+    capacity, d = 4096, ulysses * ring
+    length = d * capacity
+    group = bin_time(
+        np.asarray([length]), ulysses, ring, model=LLAMA_8B, hardware=hw, layers=32, head_share=1.0, engine=engine
+    )
+    latencies = 32 * (4 * hw.a2a_latency * (ulysses > 1) + (ring - 1) * (2 * hw.p2p_latency + hw.ring_step_overhead))
+    floor = _floor([length], d, capacity, hw, ulysses=[ulysses], engine=engine)
+    assert floor == pytest.approx(group - latencies, rel=1e-12)
+
+
+def test_a_ring_inside_a_node_is_charged_the_faster_link():
+    """A group of up to a node's ranks may be laid out across two nodes; where the inter-node link is the faster one
+    (not the case in the truth family) the floor charges that one, and stays below the crossing ring's time."""
+    hw = truth("share50", LLAMA_8B.num_layers).replace(intra_node_bandwidth=100e9, inter_node_bandwidth=800e9)
+    length, capacity = 4 * 4096, 4096
+    crossing = group_times(
+        np.asarray([float(length)]), np.zeros(1, dtype=np.int64), np.asarray([1]), np.asarray([4]), model=LLAMA_8B,
+        hardware=hw, layers=32, head_share=1.0, crosses=np.asarray([True]),
+    )[0]  # fmt: skip
+    assert _floor([length], 4, capacity, hw, ulysses=[1]) <= crossing
+    with pytest.raises(ValueError, match="at least one"):
+        _floor([length], 4, capacity, hw, ulysses=[])
 
 
 def test_ring_share_raises_the_floor_only_for_sequences_that_need_rings():

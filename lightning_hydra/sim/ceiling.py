@@ -12,10 +12,11 @@ plan that keeps each rank within ``capacity`` tokens, whatever its scheduler, de
   all microbatches, to ``linear * (tokens + half * B) / (peak * eff) + layers * layer_overhead * B``, and ``B``
   (busy rank-microbatches) is at least ``tokens / capacity``;
 - what each sequence adds to the ranks' sum (its attention at its group's degree, its share of the all-to-all bytes
-  and of the exposed ring bytes, its bookkeeping on every rank of its group) depends on its own degree and the
-  factorisation ``u * r`` only, and grows with ``r`` at a fixed ``u`` (attention below peak on shorter chunks, more
-  ring steps, the inter-node link above a node): its least value over the Ulysses degrees, each at the smallest ring
-  that holds the sequence, is a floor;
+  and of the exposed ring bytes, its bookkeeping on every rank of its group) depends on its own degree, the
+  factorisation ``u * r`` and the ring's link only; charged the faster of the two links up to a node's ranks (a
+  layout may or may not cross a node there) and the inter-node link above, it grows with ``r`` at a fixed ``u``
+  (attention below peak on shorter chunks, more ring steps, the inter-node link): its least value over the Ulysses
+  degrees, each at the smallest ring that holds the sequence (``ceil(L / capacity)`` ranks at least), is a floor;
 - what a plan may share between sequences (each group's all-to-all and ring-step latencies, and the ring traffic
   that attention hides where the truth has no fixed ring share) is left out, so the floor holds for every plan.
 
@@ -61,12 +62,15 @@ def span_floor(
         hardware: The truth.
         layers: Layers timed (all of them without pipeline stages).
         head_share: Share of the LM head's parameters timed (1 without pipeline stages).
-        ulysses: The Ulysses degrees a plan may use (default: the powers of two that divide the heads, up to a
-            node's GPUs; a superset of the allowed ones keeps the floor valid).
+        ulysses: The Ulysses degrees a plan may use (a superset of them keeps the floor valid). Default: the powers
+            of two that divide the heads, up to the hardware's GPUs per node, which are
+            :class:`~lightning_hydra.planner.DegreeRules`'s when the plan's ``ranks_per_node`` is that node (as in
+            the robustness benchmark); pass larger ones for plans made with more ranks per node.
         engine: The CP engine (:data:`~lightning_hydra.sim.truth.ENGINES`: the bytes of dK and dV on the ring).
 
     Raises:
-        ValueError: If a sequence needs more ranks than the pool has, or an argument is out of range.
+        ValueError: If a sequence needs more ranks than the pool has, ``ulysses`` is empty, or an argument is out of
+            range.
     """
     if world_size < 1 or capacity < 1:
         raise ValueError(f"world_size and capacity must be positive, got {world_size} and {capacity}")
@@ -84,8 +88,10 @@ def span_floor(
             f" {world_size}"
         )
     hw = hardware
-    if ulysses is None:
-        ulysses = [u for u in (1, 2, 4, 8, 16, 32, 64) if u <= hw.gpus_per_node and model.num_heads % u == 0]
+    if ulysses is None:  # as DegreeRules allows when a plan's ranks per node are the hardware's GPUs per node
+        ulysses = [1 << k for k in range(12) if (1 << k) <= hw.gpus_per_node and model.num_heads % (1 << k) == 0]
+    if len(ulysses) == 0 or min(ulysses) < 1:
+        raise ValueError(f"Ulysses degrees must be positive and at least one, got {list(ulysses)}")
     # per busy rank-microbatch: GEMMs (their ``half`` tokens) and per-layer launches; at least tokens / capacity
     busy = math.ceil(float(lens.sum()) / capacity)
     linear = 6.0 * (model.layer_params * layers + head_share * model.hidden_size * model.vocab_size)
@@ -100,8 +106,6 @@ def span_floor(
     attn_flops = 6.0 * model.hidden_size * layers * lens * lens
     best = np.full(lens.size, np.inf)
     for u in sorted(set(int(x) for x in ulysses)):
-        if u < 1:
-            raise ValueError(f"Ulysses degrees must be positive, got {u}")
         ring = np.maximum(1.0, np.ceil(need / u))
         d = u * ring
         ok = d <= world_size
@@ -111,8 +115,9 @@ def span_floor(
         cost += d * layers * hw.seq_overhead
         if u > 1:
             cost += a2a_per_token * lens * (u - 1) / u
-        if hw.ring_share is not None:
-            bw = np.where(d > hw.gpus_per_node, hw.inter_node_bandwidth, hw.intra_node_bandwidth)
+        if hw.ring_share is not None:  # a group above a node crosses one; a smaller one may, laid out unaligned
+            fast = max(hw.inter_node_bandwidth, hw.intra_node_bandwidth)
+            bw = np.where(d > hw.gpus_per_node, hw.inter_node_bandwidth, fast)
             cost += layers * (ring - 1) * hw.ring_share * kv_per_token * lens / bw
         best = np.where(ok, np.minimum(best, cost), best)
     return float((ranks + best.sum()) / world_size)
