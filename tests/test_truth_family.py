@@ -523,14 +523,24 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
 def test_robustness_cells_plan_and_time_the_model_asked():
     """``--model`` plans with that model's heads and analytic costs and times it under the truth at its layers: the
     cell names it and its figures are that model's, not Llama-3-8B's."""
-    from lightning_hydra.bench.robust import LLAMA_70B, analytic_cost, main, run_pool
+    from lightning_hydra.bench.robust import LLAMA_70B, _batches, analytic_cost, main, run_pool
+    from lightning_hydra.sim.ceiling import efficiency_ceiling
 
     assert analytic_cost(LLAMA_8B) == llama8b_cost()
     big = analytic_cost(LLAMA_70B)
     assert big.linear > 8 * llama8b_cost().linear  # 70B-shaped coefficients, not the default's
-    small = run_pool(64, "32K", "stdlib", ["base"], steps=1, evaluations=1)[0]
-    cell = run_pool(64, "32K", "stdlib", ["base"], steps=1, evaluations=1, model=LLAMA_70B)[0]
+    small = run_pool(64, "32K", "stdlib", ["seq50"], steps=1, evaluations=1)[0]
+    cell = run_pool(64, "32K", "stdlib", ["seq50"], steps=1, evaluations=1, model=LLAMA_70B)[0]
     assert cell["model"] == "llama3-70b" and "model" not in small
+    # the cell's mcore figure and ceiling are the 70B's under the truth at its 80 layers (``seq50`` is per sequence
+    # over all layers: timed with the 8B's 32 the figure would differ)
+    batch = _batches("stdlib", 64, "32K", range(1000, 1001))[0]
+    plan, _ = _plan(batch, "mcore", big, 64, "32K", 8, LLAMA_70B)
+    hw = truth("seq50", LLAMA_70B.num_layers)
+    assert cell["calibrated"]["mcore"] == round(efficiency(plan, hw, LLAMA_70B)[0], 4)
+    assert cell["calibrated"]["mcore"] != round(efficiency(plan, truth("seq50", 32), LLAMA_70B)[0], 4)
+    ceiling = efficiency_ceiling(batch, world_size=64, capacity=4096, model=LLAMA_70B, hardware=hw)
+    assert cell["calibrated"]["ceiling"] == round(ceiling, 4)
     assert cell["calibrated"]["mcore"] != small["calibrated"]["mcore"]
     assert max(cell["calibrated"]["hydra"], cell["calibrated"]["mcore"]) <= cell["calibrated"]["ceiling"]
     with pytest.raises(SystemExit):

@@ -113,7 +113,9 @@ def schedule_hydra(req: PlanRequest) -> Plan:
     """Load-driven plan: the most robust of the candidate formations, the static plan and, within the budget,
     Megatron's placement (kept unless beaten by :data:`MCORE_MARGIN`).
 
-    The plan's ``stats`` name the chosen candidate and carry every candidate's predicted span and regret.
+    The plan's ``stats`` name the chosen candidate and carry every candidate's predicted span and regret (each
+    member's share weighted as :func:`~lightning_hydra.planner.robust.choose` weighs it:
+    :func:`~lightning_hydra.planner.robust.member_weights`).
     """
     c = _choice(req)
     stats: dict[str, float | str] = {"candidate": c.scored[c.pick].name}

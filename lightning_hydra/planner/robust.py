@@ -34,8 +34,6 @@ link the loop never ran), the member still steers (64 ranks, 32K, 4 microbatches
 1.5x instead put one cell at 0.925x mcore: hydra took the fine candidate on one of its two batches). Before any ring
 was measured the member weighs in full. See the README's robustness section."""
 
-_MEMBERS = 6
-"""Members of :func:`ensemble`."""
 _COMM_MEMBER = 1
 """Index in :func:`ensemble` of the member whose links run at half their bandwidth."""
 
@@ -77,12 +75,13 @@ def ensemble(cost: CostModel) -> list[CostModel]:
 def member_weights(cost: CostModel) -> np.ndarray:
     """Weight of each :func:`ensemble` member's regret in :func:`choose` (the planner's own model and every
     perturbed member 1, but the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has
-    measured ring traffic).
+    measured ring traffic). ``rings_measured`` says a window held ring traffic, not which links it crossed: the
+    weight is a half, not zero, so the member still steers where the fit extrapolates to a link it never timed.
 
     Args:
         cost: The planner's (possibly calibrated) model.
     """
-    weights = np.ones(_MEMBERS)
+    weights = np.ones(len(ensemble(cost)))
     if cost.rings_measured:
         weights[_COMM_MEMBER] = MEASURED_COMM_WEIGHT
     return weights
