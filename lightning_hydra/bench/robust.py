@@ -7,7 +7,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust --markdown t.md  # also writes the README's tables
     python -m lightning_hydra.bench.robust --fill 0.9       # batches at 90% of the pool's tokens (default 75%)
     python -m lightning_hydra.bench.robust --microbatches 16  # batches planned into 16 microbatches (default 8)
-    python -m lightning_hydra.bench.robust --model llama3-70b  # another model shape (default Llama-3-8B)
+    python -m lightning_hydra.bench.robust --model llama3-70b  # another model shape (llama3-1b, default llama3-8b)
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -51,7 +51,17 @@ from lightning_hydra.sim.family import TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import plan_times, useful_time
 
-__all__ = ["EFFICIENCY_TARGET", "LLAMA_70B", "LLAMA_8B", "MODELS", "analytic_cost", "efficiency", "main", "run_pool"]
+__all__ = [
+    "EFFICIENCY_TARGET",
+    "LLAMA_1B",
+    "LLAMA_70B",
+    "LLAMA_8B",
+    "MODELS",
+    "analytic_cost",
+    "efficiency",
+    "main",
+    "run_pool",
+]
 
 EFFICIENCY_TARGET = 0.90
 """The efficiency the summary counts cells against (the planner's target at 256K contexts)."""
@@ -65,7 +75,12 @@ LLAMA_70B = ModelShape(
 )
 """A larger model with another balance of GEMM, attention and KV traffic (Llama-3-70B shape, bf16, one device per
 CP rank): ``--model llama3-70b``."""
-MODELS = {"llama3-8b": LLAMA_8B, "llama3-70b": LLAMA_70B}
+LLAMA_1B = ModelShape(
+    hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, ffn_hidden_size=8192, vocab_size=128256
+)
+"""A smaller model, whose KV traffic weighs more against its compute (Llama-3.2-1B shape, bf16): ``--model
+llama3-1b``."""
+MODELS = {"llama3-1b": LLAMA_1B, "llama3-8b": LLAMA_8B, "llama3-70b": LLAMA_70B}
 """The models ``--model`` names."""
 
 
