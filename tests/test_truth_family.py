@@ -492,7 +492,7 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
     """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
     summary and tables carry it; batches may hold another share of the pool's tokens and be planned into another
     number of microbatches."""
-    from lightning_hydra.bench.robust import _batches, _request, markdown, run_pool, summarize
+    from lightning_hydra.bench.robust import _batches, _request, analytic_cost, markdown, run_pool, summarize
     from lightning_hydra.planner.hydra import candidate_plans
 
     # the benchmark's candidates are planned from the request its hydra plan came from
@@ -510,6 +510,12 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
         assert cal["best_candidate_over_mcore"] >= cal["hydra_over_mcore"]
         assert len(cal["best_candidates"]) == 1
         assert max(cal["hydra"], cal["mcore"], cal["static"]) <= cal["ceiling"] < 1  # no plan beats the ceiling
+        # the loop's steps as training pays them: the first planned with the analytic model on the first loop batch
+        first = _batches("lognormal", 64, "256K", range(2000, 2001), 0.6, 4)[0]
+        plan, _ = _plan(first, "hydra", analytic_cost(), 64, "256K", 4)
+        assert len(cal["loop_steps"]) == 2
+        assert cal["loop_steps"][0] == round(efficiency(plan, truth(cell["truth"], LLAMA_8B.num_layers))[0], 4)
+        assert 0 < cal["loop_min_of_ceiling"] <= 1
         assert cal["hydra_of_ceiling"] == pytest.approx(cal["hydra"] / cal["ceiling"], abs=2e-4)
     summary = summarize(cells)["256K"]
     assert summary["worst_best_candidate_over_mcore"] == min(

@@ -27,6 +27,8 @@ does not, the choice missed; where both fall short, no candidate reaches the tar
 efficiency *any* plan of the held-out batches can reach under the truth (:mod:`lightning_hydra.sim.ceiling`: perfect
 balance with every sequence at its cheapest degree; an upper bound, not a reachable target), with
 ``hydra_of_ceiling``; where the ceiling is below :data:`EFFICIENCY_TARGET`, no scheduler meets that target there.
+``loop_steps``: the efficiency of each closed-loop step under the truth (what a run pays while it calibrates, on its
+own batches), and ``loop_min_of_ceiling`` the lowest step's share of its own batch's ceiling.
 """
 
 from __future__ import annotations
@@ -150,14 +152,17 @@ def _batches(
 
 def _closed_loop(
     batches: list[np.ndarray], hw: Hardware, world: int, context: str, microbatches: int = 8,
-    model: ModelShape = LLAMA_8B,
+    model: ModelShape = LLAMA_8B, steps: list[float] | None = None,
 ) -> CostModel:  # fmt: skip
-    """The analytic model refitted over ``batches``: hydra plans each, the truth times it, calibration refits."""
+    """The analytic model refitted over ``batches``: hydra plans each, the truth times it, calibration refits; each
+    step's efficiency under the truth (what training pays while it calibrates) is appended to ``steps``."""
     cost = analytic_cost(model)
     calibrator = CostCalibrator()
     for lengths in batches:
         plan, _ = _plan(lengths, "hydra", cost, world, context, microbatches, model)
-        _, times = efficiency(plan, hw, model)
+        step, times = efficiency(plan, hw, model)
+        if steps is not None:
+            steps.append(step)
         calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
         cost = calibrator.refit(cost)
     return cost
@@ -191,11 +196,13 @@ def run_pool(
             **{p: round(v, 4) for p, v in eff.items()},
             "hydra_over_mcore": round(eff["hydra"] / eff["mcore"], 4),
         }
-        ceiling = statistics.fmean(
-            efficiency_ceiling(b, world_size=world, capacity=CONTEXTS[context][1], model=model, hardware=hw)
-            for b in held_out
-        )
-        cost = _closed_loop(loop, hw, world, context, mbs, model)
+
+        def ceiling_of(batch: np.ndarray, hw: Hardware = hw) -> float:
+            return efficiency_ceiling(batch, world_size=world, capacity=CONTEXTS[context][1], model=model, hardware=hw)
+
+        ceiling = statistics.fmean(ceiling_of(b) for b in held_out)
+        steps_eff: list[float] = []
+        cost = _closed_loop(loop, hw, world, context, mbs, model, steps_eff)
         cal, own_h, own_m, errors, picks, best, best_names = [], [], [], [], [], [], []
         for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
             plan, _ = _plan(lengths, "hydra", cost, world, context, mbs, model)
@@ -222,6 +229,10 @@ def run_pool(
             "best_candidates": best_names,
             "ceiling": round(ceiling, 4),
             "hydra_of_ceiling": round(hydra / ceiling, 4),
+            "loop_steps": [round(e, 4) for e in steps_eff],
+            "loop_min_of_ceiling": round(min(e / ceiling_of(b) for e, b in zip(steps_eff, loop, strict=True)), 4)
+            if steps_eff
+            else None,
         }
         cell["schedule_ms"] = {p: round(statistics.median(ms for _, ms in runs), 1) for p, runs in fixed.items()}
         cells.append(cell)
@@ -255,6 +266,10 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "cells_hydra_efficiency_at_target": sum(c["calibrated"]["hydra"] >= EFFICIENCY_TARGET for c in mine),
             "cells_ceiling_below_target": sum(c["calibrated"]["ceiling"] < EFFICIENCY_TARGET for c in mine),
             "lowest_hydra_of_ceiling": min(c["calibrated"]["hydra_of_ceiling"] for c in mine),
+            "lowest_loop_step_of_ceiling": min(
+                (c["calibrated"]["loop_min_of_ceiling"] for c in mine if c["calibrated"].get("loop_steps")),
+                default=None,
+            ),
             "cells": len(mine),
         }
     return out
