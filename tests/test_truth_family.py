@@ -176,9 +176,9 @@ def test_weighted_regret_lets_a_measured_model_outvote_half_a_hedge():
     assert scored[pick].name == "fine"
     assert regret == pytest.approx({"fine": 1.015, "coarse": 1.02})
     cost = llama8b_cost()
-    assert len(member_weights(cost)) == len(ensemble(cost))
-    assert (member_weights(cost) == 1).all()
-    measured = member_weights(cost.replace(rings_measured=True))
+    assert len(member_weights(ensemble(cost))) == len(ensemble(cost))
+    assert (member_weights(ensemble(cost)) == 1).all()
+    measured = member_weights(ensemble(cost.replace(rings_measured=True)))
     slow = ensemble(cost)[1]
     assert slow.inter_node_bandwidth == cost.inter_node_bandwidth / 2  # the member the weight is for
     assert measured[1] == MEASURED_COMM_WEIGHT and (np.delete(measured, 1) == 1).all()

@@ -149,7 +149,7 @@ def _choice(req: PlanRequest) -> _Choice:
     formed = candidates(req)
     static = static_layout(req)
     models = ensemble(req.cost)
-    weights = member_weights(req.cost)
+    weights = member_weights(models)
 
     def spans(*flat: np.ndarray | int, crosses: np.ndarray | None = None) -> np.ndarray:
         return spans_of(models, lengths, *flat, req.pipeline_stages, crosses)

@@ -72,17 +72,17 @@ def ensemble(cost: CostModel) -> list[CostModel]:
     ]
 
 
-def member_weights(cost: CostModel) -> np.ndarray:
-    """Weight of each :func:`ensemble` member's regret in :func:`choose` (the planner's own model and every
-    perturbed member 1, but the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has
-    measured ring traffic). ``rings_measured`` says a window held ring traffic, not which links it crossed: the
-    weight is a half, not zero, so the member still steers where the fit extrapolates to a link it never timed.
+def member_weights(models: list[CostModel]) -> np.ndarray:
+    """Weight of each member's regret in :func:`choose` (the planner's own model and every perturbed member 1, but
+    the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has measured ring traffic).
+    ``rings_measured`` says a window held ring traffic, not which links it crossed: the weight is a half, not zero,
+    so the member still steers where the fit extrapolates to a link it never timed.
 
     Args:
-        cost: The planner's (possibly calibrated) model.
+        models: The :func:`ensemble` the candidates were scored under (the planner's own model first).
     """
-    weights = np.ones(len(ensemble(cost)))
-    if cost.rings_measured:
+    weights = np.ones(len(models))
+    if models[0].rings_measured:
         weights[_COMM_MEMBER] = MEASURED_COMM_WEIGHT
     return weights
 
@@ -209,13 +209,13 @@ def choose(scored: list[Scored], weights: np.ndarray | None = None) -> tuple[int
 
     Args:
         scored: Every candidate with its spans.
-        weights: Weight of each model's regret (at least one per model; the first ones apply). ``None``: all 1.
+        weights: Weight of each model's regret, one per model (:func:`member_weights`). ``None``: all 1.
     """
     spans = np.stack([s.spans for s in scored])
     best = spans.min(axis=0)
     ratio = spans / np.where(best > 0, best, 1.0)
     if weights is not None:
-        ratio = 1.0 + (ratio - 1.0) * np.asarray(weights, dtype=np.float64)[: ratio.shape[1]]
+        ratio = 1.0 + (ratio - 1.0) * np.asarray(weights, dtype=np.float64)
     regret = ratio.max(axis=1)
     bound = min((s.spans[0] for s in scored if s.baseline), default=np.inf)
     feasible = spans[:, 0] <= bound * (1 + TIE)
