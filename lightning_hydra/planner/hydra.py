@@ -10,7 +10,8 @@ Per global batch, several candidate plans are formed and the most robust one is 
   :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be the memory-driven formation.
 - **Choice** (:mod:`lightning_hydra.planner.robust`): every candidate is scored under the planner's model and
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
-  planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore); where
+  planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore) and no
+  perturbed model predicts more than :data:`~lightning_hydra.planner.robust.BASELINE_SLACK` slower than them; where
   Megatron's placement is a candidate it is kept unless the winner is predicted at least :data:`MCORE_MARGIN`
   faster (it may then be predicted up to that margin slower than the memory-driven formation, never slower than
   static or mcore).
@@ -30,7 +31,7 @@ from lightning_hydra.planner.formation import DegreeSet, Formation, _Tables, for
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
-from lightning_hydra.planner.robust import TIE, Scored, choose, ensemble, member_weights, spans_of
+from lightning_hydra.planner.robust import BASELINE_SLACK, TIE, Scored, choose, ensemble, member_weights, spans_of
 from lightning_hydra.planner.static import StaticLayout, static_layout
 
 __all__ = [
@@ -161,14 +162,14 @@ def _choice(req: PlanRequest) -> _Choice:
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
     mcore = schedule_mcore_fast(req) if _within(req, budget) else None
     if mcore is None:
-        pick, regret = choose(scored, weights)
+        pick, regret = choose(scored, weights, BASELINE_SLACK)
         if req.mcore_budget is None and scored[pick].name.endswith("/memory") and _within(req, MCORE_BUDGET_MEMORY):
             mcore = schedule_mcore_fast(req)
     if mcore is not None:
         mb, start, u, r, seq, gid = mcore.flat()
         crosses = req.cost.crossing(start, u * r)
         scored.append(Scored("mcore", spans(mb, u, r, seq, gid, mcore.num_microbatches, crosses=crosses), True))
-        pick, regret = choose(scored, weights)
+        pick, regret = choose(scored, weights, BASELINE_SLACK)
         if scored[pick].name != "mcore":
             own, static_own = scored[-1].spans[0], scored[len(formed)].spans[0]  # mcore's (scored last) and static's
             if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):

@@ -8,7 +8,8 @@ short per-rank chunks, per-sequence and per-microbatch overheads, ring transfers
 overlap and, until calibration has measured a ring, over links as slow as it found the all-to-all). The chosen
 candidate minimises its largest *regret* (span under a model over the best candidate's span under that model; the
 member with slower communication counts half once calibration has measured rings, :func:`member_weights`) among the
-candidates that the planner's own model predicts no worse than the baselines: by construction the chosen
+candidates that the planner's own model predicts no worse than the baselines and that no member predicts more than
+:data:`BASELINE_SLACK` slower than its fastest baseline: by construction the chosen
 plan is never predicted worse than its baseline candidates (:data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`
 may then keep Megatron's plan instead, which is never predicted worse than static's).
 """
@@ -21,7 +22,17 @@ import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
 
-__all__ = ["MEASURED_COMM_WEIGHT", "TIE", "Scored", "choose", "ensemble", "member_weights", "span_of", "spans_of"]
+__all__ = [
+    "BASELINE_SLACK",
+    "MEASURED_COMM_WEIGHT",
+    "TIE",
+    "Scored",
+    "choose",
+    "ensemble",
+    "member_weights",
+    "span_of",
+    "spans_of",
+]
 
 MEASURED_COMM_WEIGHT = 0.5
 """Weight in the regret of the member whose communication runs twice as slow, once calibration has measured ring
@@ -36,6 +47,22 @@ was measured the member weighs in full. See the README's robustness section."""
 
 _COMM_MEMBER = 1
 """Index in :func:`ensemble` of the member whose links run at half their bandwidth."""
+
+BASELINE_SLACK = 0.10
+"""Largest share by which any member of the ensemble may predict a chosen candidate slower than the fastest baseline
+under that member (the excess weighted as in the regret, :func:`member_weights`): a plan that one plausible model
+says loses more than this to Megatron's or static's plan is not worth the gain the others promise. Measured on the
+closed loop's early steps (512 ranks, 32K standard-library lengths): a window of one step of Megatron's plan fits
+ring costs to its few Ulysses-8 rings (ring traffic free, a large per-step latency); the next step's fine
+candidate, all-ring groups of 3-11 ranks the window never held, was predicted at 0.80 efficiency and timed at 0.41
+under ``bw0.5`` (0.46 under ``worst``, 0.62-0.75 under ``base``, ``share0``, ``share25``, ``seq50``,
+``a2a-full``) against 0.73-0.76 for the memory-driven formation, which the ring member (transfers hidden no better
+than perfect overlap) predicted 12-17% faster. Falling back to a baseline on the worst regret alone (against the best
+candidate, not the baselines) also fixed those steps but cost 13% at 2,048 x 256K stdlib x ``bw0.5``, whose
+load-driven power-of-two candidate had a worst regret of 1.105 while every member predicted it faster than every
+baseline. The bound does not catch a model that errs beyond every member: at half fill the fine candidate was
+predicted 23% faster than Megatron's plan and at most 4% slower by any member, and timed 8-48% slower (the
+README's robustness section)."""
 
 TIE = 1e-12
 """Relative difference below which two spans or regrets count as equal (rounding, not a difference of plans)."""
@@ -198,10 +225,13 @@ class Scored:
     """Whether hydra must never be predicted worse than this one."""
 
 
-def choose(scored: list[Scored], weights: np.ndarray | None = None) -> tuple[int, dict[str, float]]:
+def choose(
+    scored: list[Scored], weights: np.ndarray | None = None, slack: float | None = None
+) -> tuple[int, dict[str, float]]:
     """Index of the candidate with the smallest worst-case regret among those the planner's model predicts no
-    worse than every baseline (ties within :data:`TIE`: the smaller predicted span, then the earlier candidate),
-    and the regrets.
+    worse than every baseline and, with ``slack``, that no model predicts more than ``slack`` slower than that
+    model's fastest baseline (ties within :data:`TIE`: the smaller predicted span, then the earlier candidate), and
+    the regrets.
 
     A candidate's regret under a model is its span over the best candidate's span under that model; with
     ``weights`` the excess over 1 is scaled per model (``1 + w * (ratio - 1)``, :func:`member_weights`), and its
@@ -210,15 +240,21 @@ def choose(scored: list[Scored], weights: np.ndarray | None = None) -> tuple[int
     Args:
         scored: Every candidate with its spans.
         weights: Weight of each model's regret, one per model (:func:`member_weights`). ``None``: all 1.
+        slack: Largest share by which a model may predict a chosen candidate that is not a baseline slower than
+            that model's fastest baseline, the excess weighted as in the regret (the planner passes
+            :data:`BASELINE_SLACK`; ``None``: no bound).
     """
     spans = np.stack([s.spans for s in scored])
     best = spans.min(axis=0)
-    ratio = spans / np.where(best > 0, best, 1.0)
-    if weights is not None:
-        ratio = 1.0 + (ratio - 1.0) * np.asarray(weights, dtype=np.float64)
-    regret = ratio.max(axis=1)
-    bound = min((s.spans[0] for s in scored if s.baseline), default=np.inf)
+    w = np.ones(spans.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
+    regret = (1.0 + (spans / np.where(best > 0, best, 1.0) - 1.0) * w).max(axis=1)
+    base = np.array([s.baseline for s in scored])
+    bound = spans[base, 0].min() if base.any() else np.inf
     feasible = spans[:, 0] <= bound * (1 + TIE)
+    if slack is not None and base.any():
+        fastest = spans[base].min(axis=0)
+        over = (1.0 + (spans / np.where(fastest > 0, fastest, 1.0) - 1.0) * w).max(axis=1)
+        feasible &= base | (over <= 1.0 + slack)
     key = np.where(feasible, regret, np.inf)
     # ties within rounding (the spans of equal plans may differ in the last bits): the smaller predicted span, then
     # the earlier candidate
