@@ -245,16 +245,18 @@ def choose(
             :data:`BASELINE_SLACK`; ``None``: no bound).
     """
     spans = np.stack([s.spans for s in scored])
-    best = spans.min(axis=0)
     w = np.ones(spans.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
-    regret = (1.0 + (spans / np.where(best > 0, best, 1.0) - 1.0) * w).max(axis=1)
+
+    def worst_ratio(reference: np.ndarray) -> np.ndarray:
+        # each candidate's largest weighted span ratio to ``reference`` (one span per model)
+        return (1.0 + (spans / np.where(reference > 0, reference, 1.0) - 1.0) * w).max(axis=1)
+
+    regret = worst_ratio(spans.min(axis=0))
     base = np.array([s.baseline for s in scored])
     bound = spans[base, 0].min() if base.any() else np.inf
     feasible = spans[:, 0] <= bound * (1 + TIE)
     if slack is not None and base.any():
-        fastest = spans[base].min(axis=0)
-        over = (1.0 + (spans / np.where(fastest > 0, fastest, 1.0) - 1.0) * w).max(axis=1)
-        feasible &= base | (over <= 1.0 + slack)
+        feasible &= base | (worst_ratio(spans[base].min(axis=0)) <= 1.0 + slack)
     key = np.where(feasible, regret, np.inf)
     # ties within rounding (the spans of equal plans may differ in the last bits): the smaller predicted span, then
     # the earlier candidate
