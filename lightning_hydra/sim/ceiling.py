@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lightning_hydra.planner.degrees import DegreeRules
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import ENGINES, useful_time
 
@@ -62,10 +63,10 @@ def span_floor(
         hardware: The truth.
         layers: Layers timed (all of them without pipeline stages).
         head_share: Share of the LM head's parameters timed (1 without pipeline stages).
-        ulysses: The Ulysses degrees a plan may use (a superset of them keeps the floor valid). Default: the powers
-            of two that divide the heads, up to the hardware's GPUs per node, which are
-            :class:`~lightning_hydra.planner.DegreeRules`'s when the plan's ``ranks_per_node`` is that node (as in
-            the robustness benchmark); pass larger ones for plans made with more ranks per node.
+        ulysses: The Ulysses degrees a plan may use (a superset of them keeps the floor valid). Default:
+            :meth:`~lightning_hydra.planner.DegreeRules.ulysses_options` of a pool whose ``ranks_per_node`` is the
+            hardware's GPUs per node (as in the robustness benchmark); pass larger ones for plans made with more
+            ranks per node.
         engine: The CP engine (:data:`~lightning_hydra.sim.truth.ENGINES`: the bytes of dK and dV on the ring).
 
     Raises:
@@ -88,8 +89,9 @@ def span_floor(
             f" {world_size}"
         )
     hw = hardware
-    if ulysses is None:  # as DegreeRules allows when a plan's ranks per node are the hardware's GPUs per node
-        ulysses = [1 << k for k in range(12) if (1 << k) <= hw.gpus_per_node and model.num_heads % (1 << k) == 0]
+    if ulysses is None:  # what DegreeRules allows when a plan's ranks per node are the hardware's GPUs per node
+        rules = DegreeRules(world_size=world_size, ranks_per_node=hw.gpus_per_node, num_heads=model.num_heads)
+        ulysses = rules.ulysses_options()
     if len(ulysses) == 0 or min(ulysses) < 1:
         raise ValueError(f"Ulysses degrees must be positive and at least one, got {list(ulysses)}")
     # per busy rank-microbatch: GEMMs (their ``half`` tokens) and per-layer launches; at least tokens / capacity
