@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from lightning_hydra.bench.batches import DISTRIBUTIONS, make_batch
-from lightning_hydra.bench.schedule import CONTEXTS
+from lightning_hydra.bench.schedule import CONTEXTS, LLAMA_8B, analytic_cost
 from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlanRequest, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.planner.hydra import candidate_plans
@@ -68,10 +68,6 @@ __all__ = [
 EFFICIENCY_TARGET = 0.90
 """The efficiency the summary counts cells against (the planner's target at 256K contexts)."""
 
-LLAMA_8B = ModelShape(
-    hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256
-)
-"""The model every cell plans and times by default (Llama-3-8B shape, bf16)."""
 LLAMA_70B = ModelShape(
     hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672, vocab_size=128256
 )
@@ -84,11 +80,6 @@ LLAMA_1B = ModelShape(
 llama3-1b``."""
 MODELS = {"llama3-1b": LLAMA_1B, "llama3-8b": LLAMA_8B, "llama3-70b": LLAMA_70B}
 """The models ``--model`` names."""
-
-
-def analytic_cost(model: ModelShape = LLAMA_8B) -> CostModel:
-    """The planner's analytic model of ``model`` at 400 TFLOP/s, 8 ranks per node (before any calibration)."""
-    return CostModel.for_transformer(**model.cost_model_args(), ranks_per_node=8)
 
 
 def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> tuple[float, np.ndarray]:

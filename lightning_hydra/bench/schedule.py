@@ -26,16 +26,29 @@ import numpy as np
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.planner import CostModel, Plan, schedule
 from lightning_hydra.planner.mcore import megatron_min_degree
+from lightning_hydra.sim.hardware import ModelShape
 
-__all__ = ["main", "plan_metrics"]
+__all__ = ["LLAMA_8B", "analytic_cost", "llama8b_cost", "main", "plan_metrics"]
 
 CONTEXTS = {"256K": (262144, 16384), "32K": (32768, 4096)}
 """Context name -> (longest sequence, capacity in tokens per rank)."""
 
 
+LLAMA_8B = ModelShape(
+    hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256
+)
+"""The model the benchmarks plan by default (Llama-3-8B shape, bf16)."""
+
+
+def analytic_cost(model: ModelShape = LLAMA_8B) -> CostModel:
+    """The planner's analytic model of ``model`` at 400 TFLOP/s achieved (an assumption, not a measurement), 8 ranks
+    per node, before any calibration."""
+    return CostModel.for_transformer(**model.cost_model_args(), ranks_per_node=8)
+
+
 def llama8b_cost() -> CostModel:
-    """The cost model of a Llama-3-8B-shaped decoder at 400 TFLOP/s achieved (an assumption, not a measurement)."""
-    return CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256, ranks_per_node=8)
+    """The cost model of a Llama-3-8B-shaped decoder (:func:`analytic_cost` of :data:`LLAMA_8B`)."""
+    return analytic_cost(LLAMA_8B)
 
 
 def plan_metrics(plan: Plan, cost: CostModel, capacity: int) -> dict:
