@@ -24,7 +24,7 @@ from lightning_hydra.planner.robust import (
     spans_of,
 )
 from lightning_hydra.sim import Hardware, ModelShape, bin_time
-from lightning_hydra.sim.family import TRUTHS, truth
+from lightning_hydra.sim.family import DEVICE_TRUTHS, TRUTHS, truth
 from lightning_hydra.sim.truth import plan_times
 
 MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=100)
@@ -78,8 +78,21 @@ def test_truth_family():
     worst = truth("worst", 32)
     assert (worst.ring_share, worst.a2a_full_heads, worst.attn_tile_tokens) == (0.5, True, 512.0)
     assert set(TRUTHS) >= {"base", "share0", "share50", "a2a-full", "bw0.5", "bw2", "tile512", "seq50"}
-    with pytest.raises(ValueError, match="unknown truth"):
+    with pytest.raises(ValueError, match=r"unknown truth.*gemm2k"):
         truth("nvlink9", 32)
+
+
+def test_device_truths_change_the_devices_constants_on_the_same_base():
+    """Each of ``DEVICE_TRUTHS`` is the grid's base device with its own fields set (absolute values), nothing else."""
+    base = truth("base", 32)
+    assert not set(DEVICE_TRUTHS) & set(TRUTHS)
+    for name, fields in DEVICE_TRUTHS.items():
+        hw = truth(name, 32)
+        assert hw == base.replace(name=hw.name, **fields)
+        assert all(getattr(hw, k) != getattr(base, k) for k in fields)
+    a100 = truth("a100", 32)
+    assert (a100.peak_flops, a100.intra_node_bandwidth, a100.inter_node_bandwidth) == (312e12, 240e9, 25e9)
+    assert truth("node4", 32).gpus_per_node == 4 and truth("gemm2k", 32).gemm_half_tokens == 2048.0
 
 
 def test_closed_loop_learns_a_truth_of_another_form():

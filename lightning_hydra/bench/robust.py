@@ -8,6 +8,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust --fill 0.9       # batches at 90% of the pool's tokens (default 75%)
     python -m lightning_hydra.bench.robust --microbatches 16  # batches planned into 16 microbatches (default 8)
     python -m lightning_hydra.bench.robust --model llama3-70b  # another model shape (llama3-1b, default llama3-8b)
+    python -m lightning_hydra.bench.robust --truths gemm2k fastgpu  # truths of other device constants
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -49,7 +50,7 @@ from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlanRequest, s
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.planner.hydra import candidate_plans
 from lightning_hydra.sim.ceiling import efficiency_ceiling
-from lightning_hydra.sim.family import TRUTHS, truth
+from lightning_hydra.sim.family import DEVICE_TRUTHS, TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import plan_times, useful_time
 
@@ -300,7 +301,7 @@ def markdown(cells: list[dict[str, Any]]) -> str:
         + " |",
         "|---|" + "---|---|---|---|" * len(contexts),
     ]
-    for name in [t for t in TRUTHS if any(c["truth"] == t for c in cells)]:
+    for name in [t for t in (*TRUTHS, *DEVICE_TRUTHS) if any(c["truth"] == t for c in cells)]:
         row = []
         for ctx in contexts:
             mine = [c["calibrated"] for c in cells if c["truth"] == name and c["context"] == ctx]
@@ -325,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="*", help="override the pool sizes")
     parser.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
     parser.add_argument("--distributions", nargs="*", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
-    parser.add_argument("--truths", nargs="*", default=list(TRUTHS), choices=list(TRUTHS))
+    parser.add_argument(
+        "--truths", nargs="*", default=list(TRUTHS), choices=[*TRUTHS, *DEVICE_TRUTHS], help="default: the grid's"
+    )
     parser.add_argument("--steps", type=int, default=8, help="closed-loop steps before the calibrated evaluation")
     parser.add_argument("--evaluations", type=int, default=2, help="held-out batches per cell (1 at 2,048 ranks)")
     parser.add_argument("--fill", type=float, default=0.75, help="share of the pool's tokens a batch holds")

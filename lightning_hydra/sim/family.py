@@ -17,13 +17,16 @@ planner's model does not have:
 ``seq50``    50 us per sequence per rank (all layers) of bookkeeping
 ``worst``    share50, a2a-full, bw0.5, tile512 and seq50 together
 ===========  =====================================================================================================
+
+:data:`DEVICE_TRUTHS` keep the form and change the device's constants instead (``python -m
+lightning_hydra.bench.robust --truths gemm2k attn4k ...``): a check on truths the planner was not tuned against.
 """
 
 from __future__ import annotations
 
 from lightning_hydra.sim.hardware import PRESETS, Hardware
 
-__all__ = ["PLANNER_BANDWIDTHS", "TRUTHS", "truth"]
+__all__ = ["DEVICE_TRUTHS", "PLANNER_BANDWIDTHS", "TRUTHS", "truth"]
 
 PLANNER_BANDWIDTHS = (400e9, 50e9)
 """The planner's default intra- and inter-node bandwidths (:meth:`CostModel.for_transformer`)."""
@@ -48,24 +51,48 @@ TRUTHS: dict[str, dict[str, float | bool]] = {
 }
 """Knobs of each truth: ``bandwidth`` scales both links; ``seq_overhead`` is per sequence over all layers."""
 
+DEVICE_TRUTHS: dict[str, dict[str, float | bool]] = {
+    "gemm2k": {"gemm_half_tokens": 2048.0},
+    "attn4k": {"attn_half_len": 4096.0},
+    "launch": {"layer_overhead": 1e-3, "ring_step_overhead": 200e-6},
+    "lat100": {"a2a_latency": 100e-6, "p2p_latency": 100e-6},
+    "a100": {"peak_flops": 312e12, "intra_node_bandwidth": 240e9, "inter_node_bandwidth": 25e9},
+    "fastgpu": {"peak_flops": 2.5e15},
+    "node4": {"gpus_per_node": 4},
+    "mix": {
+        "gemm_half_tokens": 1024.0,
+        "attn_half_len": 2048.0,
+        "layer_overhead": 300e-6,
+        "ring_share": 0.3,
+        "intra_node_bandwidth": 200e9,
+        "inter_node_bandwidth": 30e9,
+    },
+}
+"""Truths of other device constants, each a set of :class:`~lightning_hydra.sim.hardware.Hardware` fields (absolute
+values): GEMMs at half efficiency at 2,048 tokens (``gemm2k``: a fixed cost per bin that dense packing saves),
+attention at half efficiency at 4,096-token chunks (``attn4k``), 10x launch and ring-step overheads (``launch``),
+100 us per collective call (``lat100``), an A100-class device (``a100``: 312 TFLOP/s, 240 and 25 GB/s), compute
+2.5x faster over the same links (``fastgpu``), 4 devices per node while the planner assumes 8 (``node4``), and
+several at once (``mix``)."""
+
 
 def truth(name: str, num_layers: int, base: Hardware | None = None) -> Hardware:
     """The hardware of truth ``name`` (see :data:`TRUTHS`).
 
     Args:
-        name: A key of :data:`TRUTHS`.
+        name: A key of :data:`TRUTHS` or :data:`DEVICE_TRUTHS`.
         num_layers: Layers the model has (``seq_overhead`` is given over all layers; the hardware holds it per
             layer).
         base: The device (default: the ``h100`` preset at the planner's default bandwidths, no per-sequence
             overhead).
     """
-    if name not in TRUTHS:
-        raise ValueError(f"unknown truth {name!r}; choose one of {sorted(TRUTHS)}")
+    if name not in TRUTHS and name not in DEVICE_TRUTHS:
+        raise ValueError(f"unknown truth {name!r}; choose one of {sorted(TRUTHS) + sorted(DEVICE_TRUTHS)}")
     intra, inter = PLANNER_BANDWIDTHS
     hw = base or PRESETS["h100"].replace(
         name="h100-planner-links", intra_node_bandwidth=intra, inter_node_bandwidth=inter, seq_overhead=0.0
     )
-    knobs = dict(TRUTHS[name])
+    knobs = dict(TRUTHS[name] if name in TRUTHS else DEVICE_TRUTHS[name])
     scale = float(knobs.pop("bandwidth", 1.0))
     changes: dict[str, float | bool | str] = {
         "name": f"{hw.name}/{name}",
