@@ -17,7 +17,7 @@ from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
 from lightning_hydra.planner.formation import REACH, DegreeSet, form, layout
-from lightning_hydra.planner.hydra import MCORE_BUDGET, MCORE_BUDGET_MEMORY
+from lightning_hydra.planner.hydra import MCORE_BUDGET, MCORE_BUDGET_MEMORY, MCORE_REACH
 from lightning_hydra.planner.request import PlanRequest
 
 POLICIES = ["hydra", "mcore", "static"]
@@ -425,7 +425,8 @@ def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostMo
 def test_where_the_memory_driven_formation_wins_megatrons_plan_joins_up_to_the_larger_budget(cost: CostModel) -> None:
     """Above ``MCORE_BUDGET``, Megatron's placement joins the candidates where hydra would otherwise choose its
     memory-driven formation (a 32K batch whose tokens bind), up to ``MCORE_BUDGET_MEMORY``; hydra is then never
-    predicted worse than it. Where a load-driven formation wins (256K), and with an explicit budget, it does not."""
+    predicted worse than it. Where a load-driven formation is predicted more than ``MCORE_REACH`` faster than the
+    memory-driven one (256K), and with an explicit budget, it does not."""
     kw = {"world": 256, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}
     full = make_batch("lognormal", world_size=256, capacity=4096, num_microbatches=8, fill=0.9, context=32768, seed=2)
     assert MCORE_BUDGET < full.size * 16 <= MCORE_BUDGET_MEMORY
@@ -435,12 +436,40 @@ def test_where_the_memory_driven_formation_wins_megatrons_plan_joins_up_to_the_l
     mcore = _run(full, "mcore", cost, **kw)
     assert plan.stats["span/mcore"] == pytest.approx(float(mcore.loads(cost).max(axis=1).sum()))
     assert float(plan.loads(cost).max(axis=1).sum()) <= plan.stats["span/mcore"] * (1 + 1e-9)
-    long = make_batch(
-        "lognormal", world_size=256, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=2
-    )
+    long = make_batch("pareto", world_size=256, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=3)
     assert long.size * 16 > MCORE_BUDGET
     chosen = _run(long, "hydra", cost, world=256, capacity=16384, microbatches=8, max_seq_len=262144)
-    assert not chosen.stats["candidate"].endswith("/memory") and "span/mcore" not in chosen.stats
+    span = chosen.stats[f"span/{chosen.stats['candidate']}"]
+    assert span < chosen.stats["span/pow2/memory"] * (1 - MCORE_REACH) and "span/mcore" not in chosen.stats
+
+
+def test_megatrons_plan_joins_where_the_choice_is_within_reach_of_the_memory_driven_formation(monkeypatch) -> None:
+    """A truth whose GEMMs reach half their efficiency at 4,096 tokens (a fixed cost per bin that dense packing saves),
+    a 4-step closed loop at 256 ranks on 32K lognormal batches: on the held-out batch the power-of-two load-driven
+    formation comes out with the memory-driven one's degrees (the same span), hydra chooses it, and Megatron's first
+    fit of those degrees is predicted 10% faster. The choice lies within ``MCORE_REACH`` of the memory-driven
+    formation, so Megatron's placement joins the candidates and hydra is never predicted worse than it; with the
+    rule before it (Megatron's placement only where the memory-driven formation itself is chosen) it was not
+    formed."""
+    import lightning_hydra.planner.hydra as hydra_module
+    from lightning_hydra.bench.robust import _batches, _closed_loop
+    from lightning_hydra.sim.family import truth
+
+    hw = truth("base", 32).replace(gemm_half_tokens=4096.0)
+    cost = _closed_loop(_batches("lognormal", 256, "32K", range(2000, 2004)), hw, 256, "32K")
+    lengths = _batches("lognormal", 256, "32K", range(1002, 1003))[0]
+    kw = {"world": 256, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}
+    assert MCORE_BUDGET < lengths.size * math.sqrt(256) <= MCORE_BUDGET_MEMORY
+    plan = _run(lengths, "hydra", cost, **kw)
+    mcore = float(_run(lengths, "mcore", cost, **kw).loads(cost).max(axis=1).sum())
+    assert plan.stats["span/mcore"] == pytest.approx(mcore)
+    assert plan.stats["candidate"] == "mcore" and float(plan.loads(cost).max(axis=1).sum()) <= mcore * (1 + 1e-9)
+    with monkeypatch.context() as m:
+        m.setattr(hydra_module, "_within_reach", lambda scored, pick: scored[pick].name.endswith("/memory"))
+        before = _run(lengths, "hydra", cost, **kw)
+    assert before.stats["candidate"] == "pow2/load" and "span/mcore" not in before.stats
+    assert before.stats["span/pow2/load"] == pytest.approx(before.stats["span/pow2/memory"])
+    assert float(before.loads(cost).max(axis=1).sum()) > 1.05 * mcore
 
 
 @pytest.mark.parametrize(

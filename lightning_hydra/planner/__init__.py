@@ -75,8 +75,8 @@ def schedule(
             step time, not the sum of microbatch maxima alone.
         mcore_budget: Largest ``sequences * sqrt(world_size)`` for which ``hydra`` also forms Megatron's placement
             as a candidate (never predicted worse than it then; about 1.6 us of planning per unit); ``None``: the
-            defaults (:data:`lightning_hydra.planner.hydra.MCORE_BUDGET`, and ``MCORE_BUDGET_MEMORY`` where hydra
-            would otherwise choose its memory-driven formation), ``0``: never.
+            defaults (:data:`lightning_hydra.planner.hydra.MCORE_BUDGET`, and ``MCORE_BUDGET_MEMORY`` where hydra's
+            choice would otherwise be its memory-driven formation or within ``MCORE_REACH`` of it), ``0``: never.
 
     Returns:
         The plan; it has passed :meth:`Plan.check`.

@@ -40,7 +40,8 @@ class PlannerConfig:
     mcore_budget: float | None = None
     """Largest ``sequences * sqrt(ranks)`` for which ``hydra`` also forms Megatron's placement as a candidate (and
     is then never predicted worse than it); ``None``: the defaults (about 50 ms of planning; up to about 0.8 s where
-    hydra would otherwise choose its memory-driven formation: ``hydra.MCORE_BUDGET_MEMORY``), ``0``: never."""
+    hydra's choice would otherwise be its memory-driven formation or within ``hydra.MCORE_REACH`` of it:
+    ``hydra.MCORE_BUDGET_MEMORY``), ``0``: never."""
 
     def schedule(
         self,

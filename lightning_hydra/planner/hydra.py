@@ -7,7 +7,8 @@ Per global batch, several candidate plans are formed and the most robust one is 
   (Megatron-shaped, without its whole-pool scans), the ``static`` plan, up to :data:`LIFT_BUDGET` power-of-two
   formations whose degrees are chosen at :data:`LIFTS` times the level (fewer raised degrees, less ring traffic),
   and up to :data:`MCORE_BUDGET` Megatron's own placement (:mod:`lightning_hydra.planner.mcore_fast`), up to
-  :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be the memory-driven formation.
+  :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be the memory-driven formation or within
+  :data:`MCORE_REACH` of it.
 - **Choice** (:mod:`lightning_hydra.planner.robust`): every candidate is scored under the planner's model and
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
   planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore) and no
@@ -41,6 +42,7 @@ __all__ = [
     "MCORE_BUDGET",
     "MCORE_BUDGET_MEMORY",
     "MCORE_MARGIN",
+    "MCORE_REACH",
     "candidate_plans",
     "candidates",
     "schedule_hydra",
@@ -67,10 +69,11 @@ sequences on 512 ranks, 0.6 s for 8,900, 2.4 s for 36,000 on 2,048). Where the t
 fixed cost (GEMMs below peak, launches) and tokens bind (32K contexts), Megatron's dense first-fit packing can beat
 every load-driven formation; within the budget hydra is never predicted worse than it. A run that plans ahead of
 its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, ``PlannerConfig.mcore_budget``).
-Where hydra's own choice is the memory-driven formation, :data:`MCORE_BUDGET_MEMORY` applies instead."""
+Where hydra's own choice is the memory-driven formation or within :data:`MCORE_REACH` of it,
+:data:`MCORE_BUDGET_MEMORY` applies instead."""
 MCORE_BUDGET_MEMORY = 524288
-"""The budget for Megatron's placement where, without it, hydra would choose its memory-driven formation (no
-load-driven formation is predicted better than Megatron's degrees): Megatron's first fit places the same degrees
+"""The budget for Megatron's placement where, without it, hydra would choose its memory-driven formation or a
+candidate predicted less than :data:`MCORE_REACH` faster than it: Megatron's first fit places the same degrees
 (each sequence where the projected maximum is lowest) and balances ranks full of short sequences better than
 hydra's level-driven placement. Measured at 512 ranks and 32K contexts where tokens bind (80-90% of the pool's
 token room; lognormal and Pareto lengths, base and ``worst`` truths): its plan was 0.5-2.2% faster than the best
@@ -78,7 +81,21 @@ hydra formation and up to 3.8% faster than hydra's choice under the truths after
 calibrated model said so. Up to this bound (512 ranks: about 23,000 sequences; 2,048: 11,500) hydra pays for it,
 about 1.3 us per unit (0.3 s for 10,900 sequences on 512 ranks), which :class:`~lightning_hydra.HydraDataModule`
 hides behind the step that trains while the next is planned (``plan_ahead``). A batch where a load-driven
-formation wins (long contexts) never pays it. An explicit ``mcore_budget`` replaces both budgets."""
+formation wins by more than :data:`MCORE_REACH` never pays it. An explicit ``mcore_budget`` replaces both
+budgets."""
+
+
+MCORE_REACH = 0.08
+"""Where hydra's choice is predicted less than this share faster than its memory-driven formation (under the
+planner's own model), Megatron's placement may beat it and hydra forms it too, up to :data:`MCORE_BUDGET_MEMORY`.
+Megatron's first fit places the memory-driven degrees more densely: under models calibrated to truths whose GEMMs
+reach half their efficiency at 2,048-4,096 tokens (a fixed cost per bin that dense packing saves) it was predicted
+up to 10% faster than the memory-driven formation, and faster than load-driven choices predicted 0.4-4.3% faster
+than that formation (64-512 ranks, 32K lognormal, Pareto and standard-library lengths: 1-10% faster than hydra's
+choice without it). It never beat a choice predicted faster by more in any batch measured, nor any choice at 256K
+contexts (at least 2% slower there). The rule is on the predicted span, not the name: a load-driven formation that
+raises no degree has the memory-driven formation's span and may be chosen in its place (the rule before this one,
+on the name, then skipped Megatron's placement where it was predicted 3-10% faster)."""
 
 
 MCORE_MARGIN = 0.005
@@ -145,7 +162,8 @@ class _Choice:
 
 def _choice(req: PlanRequest) -> _Choice:
     """Form and score the candidates and choose one; Megatron's placement joins them within :data:`MCORE_BUDGET`,
-    or within :data:`MCORE_BUDGET_MEMORY` where the choice without it is the memory-driven formation."""
+    or within :data:`MCORE_BUDGET_MEMORY` where the choice without it is within :data:`MCORE_REACH` of the
+    memory-driven formation."""
     lengths = req.lengths
     formed = candidates(req)
     static = static_layout(req)
@@ -163,7 +181,7 @@ def _choice(req: PlanRequest) -> _Choice:
     mcore = schedule_mcore_fast(req) if _within(req, budget) else None
     if mcore is None:
         pick, regret = choose(scored, weights, BASELINE_SLACK)
-        if req.mcore_budget is None and scored[pick].name.endswith("/memory") and _within(req, MCORE_BUDGET_MEMORY):
+        if req.mcore_budget is None and _within_reach(scored, pick) and _within(req, MCORE_BUDGET_MEMORY):
             mcore = schedule_mcore_fast(req)
     if mcore is not None:
         mb, start, u, r, seq, gid = mcore.flat()
@@ -175,6 +193,14 @@ def _choice(req: PlanRequest) -> _Choice:
             if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):
                 pick = len(scored) - 1
     return _Choice(formed, static, mcore, scored, pick, regret)
+
+
+def _within_reach(scored: list[Scored], pick: int) -> bool:
+    """Whether the memory-driven formation is chosen or the choice is predicted less than :data:`MCORE_REACH`
+    faster than it under the planner's own model (then Megatron's placement, which places the same degrees more
+    densely, may beat the choice)."""
+    memory = min((s.spans[0] for s in scored if s.name.endswith("/memory")), default=np.inf)
+    return bool(scored[pick].spans[0] >= memory * (1 - MCORE_REACH))
 
 
 def _within(req: PlanRequest, budget: float) -> bool:

@@ -37,8 +37,8 @@ class PlanRequest:
     """Pipeline stages the microbatches flow through (1: data-parallel accumulation)."""
     mcore_budget: float | None = None
     """Largest ``sequences * sqrt(ranks)`` for which ``hydra`` also forms Megatron's placement as a candidate
-    (``None``: :data:`lightning_hydra.planner.hydra.MCORE_BUDGET`, and ``MCORE_BUDGET_MEMORY`` where hydra would
-    otherwise choose its memory-driven formation; ``0``: never)."""
+    (``None``: :data:`lightning_hydra.planner.hydra.MCORE_BUDGET`, and ``MCORE_BUDGET_MEMORY`` where hydra's choice
+    would otherwise be its memory-driven formation or within ``MCORE_REACH`` of it; ``0``: never)."""
 
     @property
     def world_size(self) -> int:
