@@ -19,6 +19,7 @@ from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_
 from lightning_hydra.planner.formation import REACH, DegreeSet, form, layout
 from lightning_hydra.planner.hydra import MCORE_BUDGET, MCORE_BUDGET_MEMORY, MCORE_REACH
 from lightning_hydra.planner.request import PlanRequest
+from lightning_hydra.planner.robust import Scored
 
 POLICIES = ["hydra", "mcore", "static"]
 
@@ -422,17 +423,26 @@ def test_mcore_budget_decides_whether_megatrons_plan_is_a_candidate(cost: CostMo
         _run(lengths, "hydra", cost, mcore_budget=-1, **kw)
 
 
-def test_where_the_memory_driven_formation_wins_megatrons_plan_joins_up_to_the_larger_budget(cost: CostModel) -> None:
+def test_where_the_memory_driven_formation_wins_megatrons_plan_joins_up_to_the_larger_budget(
+    monkeypatch, cost: CostModel
+) -> None:
     """Above ``MCORE_BUDGET``, Megatron's placement joins the candidates where hydra would otherwise choose its
     memory-driven formation (a 32K batch whose tokens bind), up to ``MCORE_BUDGET_MEMORY``; hydra is then never
-    predicted worse than it. Where a load-driven formation is predicted more than ``MCORE_REACH`` faster than the
-    memory-driven one (256K), and with an explicit budget, it does not."""
+    predicted worse than it (here its placement stops early, ``Hopeless``, for the same plan). Where a load-driven
+    formation is predicted more than ``MCORE_REACH`` faster than the memory-driven one (256K), and with an explicit
+    budget, it does not."""
+    from lightning_hydra.planner.mcore_bound import Hopeless
+
     kw = {"world": 256, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}
     full = make_batch("lognormal", world_size=256, capacity=4096, num_microbatches=8, fill=0.9, context=32768, seed=2)
     assert MCORE_BUDGET < full.size * 16 <= MCORE_BUDGET_MEMORY
     without = _run(full, "hydra", cost, mcore_budget=MCORE_BUDGET, **kw)
     assert without.stats["candidate"] == "pow2/memory" and "span/mcore" not in without.stats
-    plan = _run(full, "hydra", cost, **kw)
+    stopped = _run(full, "hydra", cost, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(Hopeless, "__call__", lambda self, groups, pending: False)
+        plan = _run(full, "hydra", cost, **kw)
+    assert stopped.microbatches == plan.microbatches
     mcore = _run(full, "mcore", cost, **kw)
     assert plan.stats["span/mcore"] == pytest.approx(float(mcore.loads(cost).max(axis=1).sum()))
     assert float(plan.loads(cost).max(axis=1).sum()) <= plan.stats["span/mcore"] * (1 + 1e-9)
@@ -470,6 +480,49 @@ def test_megatrons_plan_joins_where_the_choice_is_within_reach_of_the_memory_dri
     assert before.stats["candidate"] == "pow2/load" and "span/mcore" not in before.stats
     assert before.stats["span/pow2/load"] == pytest.approx(before.stats["span/pow2/memory"])
     assert float(before.loads(cost).max(axis=1).sum()) > 1.05 * mcore
+
+
+def test_megatrons_placement_stops_once_it_cannot_change_the_choice(monkeypatch, cost: CostModel) -> None:
+    """A 256K batch at 256 ranks whose choice lies within ``MCORE_REACH`` of the memory-driven formation: hydra starts
+    Megatron's placement and stops it (``Hopeless``) before its last microbatch; the plan is the one hydra makes with
+    the whole placement scored, and after every microbatch the bound lies at or below the whole placement's span
+    under every model of the ensemble. A model with a negative coefficient never stops it."""
+    import lightning_hydra.planner.mcore_bound as bound_module
+    from lightning_hydra.planner.mcore_bound import Hopeless
+    from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
+    from lightning_hydra.planner.robust import ensemble, spans_of
+
+    kw = {"world": 256, "capacity": 16384, "microbatches": 8, "max_seq_len": 262144}
+    lengths = make_batch(
+        "lognormal", world_size=256, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=2
+    )
+    assert MCORE_BUDGET < lengths.size * 16 <= MCORE_BUDGET_MEMORY
+    stopped = _run(lengths, "hydra", cost, **kw)
+    bounds: list[np.ndarray] = []
+
+    def record(self, groups, pending):  # the whole placement, its bound after every microbatch
+        bounds.append(self.bound(groups, pending))
+        return False
+
+    with monkeypatch.context() as m:
+        m.setattr(bound_module.Hopeless, "__call__", record)
+        whole = _run(lengths, "hydra", cost, **kw)
+    assert "span/mcore" in whole.stats and "span/mcore" not in stopped.stats  # formed, and stopped early
+    assert stopped.stats["candidate"] == whole.stats["candidate"] != "mcore"
+    assert stopped.microbatches == whole.microbatches
+    req = _request(lengths, cost, 256, 16384, 8)
+    mcore = schedule_mcore_fast(req)
+    assert mcore is not None and len(bounds) == mcore.num_microbatches - 1
+    mb, start, u, r, seq, gid = mcore.flat()
+    models = ensemble(cost)
+    final = spans_of(models, req.lengths, mb, u, r, seq, gid, mcore.num_microbatches, 1, cost.crossing(start, u * r))
+    assert all((b <= final * (1 + 1e-12)).all() for b in bounds)
+    assert (bounds[-1] > 0.9 * final).all()  # not a vacuous bound
+    scored = [Scored("a", np.ones(len(models)), True)]
+    never = Hopeless(req, ensemble(cost.replace(seq_overhead=-1e-9)), np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)
+    groups = mcore.microbatches[0]
+    assert not never(groups, [(i, int(lengths[i])) for i in range(lengths.size)])
+    assert Hopeless(req, models, np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)(groups, [])
 
 
 @pytest.mark.parametrize(

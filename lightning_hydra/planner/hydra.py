@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_hydra.planner.formation import DegreeSet, Formation, _Tables, form
+from lightning_hydra.planner.mcore_bound import Hopeless
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
@@ -95,7 +96,9 @@ than that formation (64-512 ranks, 32K lognormal, Pareto and standard-library le
 choice without it). It never beat a choice predicted faster by more in any batch measured, nor any choice at 256K
 contexts (at least 2% slower there). The rule is on the predicted span, not the name: a load-driven formation that
 raises no degree has the memory-driven formation's span and may be chosen in its place (the rule before this one,
-on the name, then skipped Megatron's placement where it was predicted 3-10% faster)."""
+on the name, then skipped Megatron's placement where it was predicted 3-10% faster). The placement is stopped after
+any microbatch once a lower bound on its span shows that it cannot change the choice
+(:mod:`~lightning_hydra.planner.mcore_bound`): the same choice, for a part of the planning time."""
 
 
 MCORE_MARGIN = 0.005
@@ -182,7 +185,11 @@ def _choice(req: PlanRequest) -> _Choice:
     if mcore is None:
         pick, regret = choose(scored, weights, BASELINE_SLACK)
         if req.mcore_budget is None and _within_reach(scored, pick) and _within(req, MCORE_BUDGET_MEMORY):
-            mcore = schedule_mcore_fast(req)
+            # formed until it provably cannot change the choice (then ``None``: the choice stands)
+            hopeless = Hopeless(
+                req, models, weights, scored, pick, regret[scored[pick].name], BASELINE_SLACK, MCORE_MARGIN
+            )
+            mcore = schedule_mcore_fast(req, stop=hopeless)
     if mcore is not None:
         mb, start, u, r, seq, gid = mcore.flat()
         crosses = req.cost.crossing(start, u * r)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from lightning_hydra.planner.degrees import shard_tokens
-from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish, _microbatches, _min_degree
+from lightning_hydra.planner.mcore import _MB, CAP_DELTA, Stop, _finish, _microbatches, _min_degree
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
 
@@ -155,9 +155,15 @@ def _one_microbatch(
     return _finish(mb, seqs, leftovers, sizes, world_size, capacity)
 
 
-def schedule_mcore_fast(req: PlanRequest) -> Plan:
-    """The plan :func:`~lightning_hydra.planner.mcore.schedule_mcore` makes, without its whole-pool scans."""
+def schedule_mcore_fast(req: PlanRequest, stop: Stop | None = None) -> Plan | None:
+    """The plan :func:`~lightning_hydra.planner.mcore.schedule_mcore` makes, without its whole-pool scans.
+
+    Args:
+        req: The validated request.
+        stop: Called after each microbatch (:data:`~lightning_hydra.planner.mcore.Stop`); where it returns ``True``
+            the placement is abandoned and ``None`` returned. ``None``: always the whole plan.
+    """
     need = {int(length): _min_degree(int(length), req.capacity) for length in np.unique(req.lengths).tolist()}
     return _microbatches(
-        req, lambda pending, sizes: _one_microbatch(pending, sizes, req.world_size, req.capacity, need)
+        req, lambda pending, sizes: _one_microbatch(pending, sizes, req.world_size, req.capacity, need), stop
     )

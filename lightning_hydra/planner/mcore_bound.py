@@ -1,0 +1,115 @@
+"""A lower bound on Megatron's placement while it forms, to stop forming it once it cannot change hydra's choice.
+
+hydra forms Megatron's placement (:mod:`lightning_hydra.planner.mcore_fast`) where its own choice is within
+:data:`~lightning_hydra.planner.hydra.MCORE_REACH` of the memory-driven formation. On long-context batches that costs
+up to 8x the rest of the planning and Megatron's plan then loses: its first microbatches hold the longest sequences at
+their memory-driven degrees, and their maxima alone already exceed what the choice predicts. After each microbatch,
+:class:`Hopeless` bounds the placement's span under every model of the ensemble from below: the microbatches formed
+(their maxima, exactly as :func:`~lightning_hydra.planner.robust.spans_of` scores them) plus the sequences still
+waiting, perfectly balanced over the pool at their memory-driven degrees and charged only their compute (every
+term of a rank's load is non-negative, and a sequence's compute summed over its ranks does not fall as its degree
+rises). Once the bound shows that Megatron's plan, whole, could not be chosen, move any model's best span, put the
+choice outside the baseline slack, or be kept by :data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`, hydra stops
+forming it: its choice is the one it would have made with the whole plan scored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.mcore import megatron_min_degree
+from lightning_hydra.planner.plan import Group
+from lightning_hydra.planner.request import PlanRequest
+from lightning_hydra.planner.robust import Scored, spans_of
+
+__all__ = ["Hopeless"]
+
+_STRICT = 1e-9
+"""Relative room by which the bound must clear each limit (far above rounding, far below any difference of
+plans)."""
+_TERMS = (
+    "attn",
+    "linear",
+    "seq_overhead",
+    "length_overhead",
+    "bin_overhead",
+    "a2a_latency",
+    "p2p_latency",
+    "a2a_bytes_per_token",
+    "ring_bytes_per_token",
+    "ring_share",
+    "ring_exposure",
+)
+"""Coefficients of a rank's load; the bound holds only where none is negative (a model with one never stops the
+placement)."""
+
+
+class Hopeless:
+    """``stop`` for :func:`~lightning_hydra.planner.mcore_fast.schedule_mcore_fast`: ``True`` once Megatron's plan
+    provably cannot change the choice ``pick`` made among ``scored``.
+
+    Megatron's plan, appended to ``scored`` as a baseline, leaves :func:`~lightning_hydra.planner.robust.choose`'s
+    answer and :data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`'s unchanged when, under every model ``k``, its span
+    is at least the best candidate's (no regret changes), and at least the choice's over ``1 + slack / w_k`` where the
+    choice is not a baseline (the slack's reference may fall, not past the choice); and under the planner's model
+    more than the choice's worst regret times the best span (its own regret exceeds the choice's) and more than the
+    choice's span over ``1 - margin``.
+
+    Args:
+        req: The request being planned.
+        models: The ensemble the candidates were scored under (the planner's model first).
+        weights: Each model's regret weight (:func:`~lightning_hydra.planner.robust.member_weights`).
+        scored: The candidates without Megatron's plan, as scored.
+        pick: Index in ``scored`` of the choice made without it.
+        regret: The choice's worst-case regret.
+        slack: The baseline slack the choice was made with (``None``: none).
+        margin: :data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`.
+    """
+
+    def __init__(
+        self, req: PlanRequest, models: list[CostModel], weights: np.ndarray, scored: list[Scored], pick: int,
+        regret: float, slack: float | None, margin: float,
+    ) -> None:  # fmt: skip
+        spans = np.stack([s.spans for s in scored])
+        chosen = spans[pick]
+        limit = spans.min(axis=0)
+        if slack is not None and not scored[pick].baseline:
+            limit = np.maximum(limit, chosen / (1.0 + slack / np.maximum(weights, _STRICT)))
+        limit[0] = max(limit[0], regret * spans[:, 0].min(), chosen[0] / (1.0 - margin))
+        self.limit = limit * (1.0 + _STRICT)
+        """Each model's span the placement's bound must exceed."""
+        self._req = req
+        self._models = models
+        self._lengths = np.asarray(req.lengths, dtype=np.int64)
+        lens = self._lengths.astype(np.float64)
+        degree = np.array([megatron_min_degree(int(x), req.capacity) for x in req.lengths], dtype=np.float64)
+        # per sequence, summed over its ranks at the memory-driven degree: sum L^2, L, ranks, L * ranks (the
+        # factors of attn, linear, seq_overhead and length_overhead)
+        self._compute = np.stack([lens * lens, lens, degree, lens * degree], axis=1)
+        self._rates = np.array([[m.attn, m.linear, m.seq_overhead, m.length_overhead] for m in models])
+        self._formed = np.zeros(len(models))
+        self._top = np.zeros(len(models))
+        self._sound = all(float(getattr(m, name)) >= 0.0 for m in models for name in _TERMS)
+
+    def bound(self, groups: list[Group], pending: list[tuple[int, int]]) -> np.ndarray:
+        """Add the microbatch of ``groups`` and return each model's lower bound on the whole placement's span, the
+        ``(id, length)`` pairs of ``pending`` still to be placed."""
+        n = len(groups)
+        start = np.fromiter((g.ranks[0] for g in groups), dtype=np.int64, count=n)
+        u = np.fromiter((g.ulysses for g in groups), dtype=np.int64, count=n)
+        r = np.fromiter((g.ring for g in groups), dtype=np.int64, count=n)
+        counts = np.fromiter((len(g.seq_ids) for g in groups), dtype=np.int64, count=n)
+        seq = np.fromiter((i for g in groups for i in g.seq_ids), dtype=np.int64, count=int(counts.sum()))
+        gid = np.repeat(np.arange(n, dtype=np.int64), counts)
+        crosses = self._req.cost.crossing(start, u * r)
+        tops = spans_of(self._models, self._lengths, np.zeros(n, dtype=np.int64), u, r, seq, gid, 1, 1, crosses)
+        self._formed += tops
+        self._top = np.maximum(self._top, tops)
+        waiting = np.fromiter((i for i, _ in pending), dtype=np.int64, count=len(pending))
+        rest = self._rates @ self._compute[waiting].sum(axis=0) / self._req.world_size
+        return self._formed + (self._req.pipeline_stages - 1) * self._top + rest
+
+    def __call__(self, groups: list[Group], pending: list[tuple[int, int]]) -> bool:
+        """Whether, with the microbatch of ``groups`` formed, the bound clears every model's limit."""
+        return bool((self.bound(groups, pending) > self.limit).all()) and self._sound
