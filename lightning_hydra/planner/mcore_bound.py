@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lightning_hydra.planner.calibration import FITTED
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.mcore import megatron_min_degree
 from lightning_hydra.planner.plan import Group
@@ -28,21 +29,9 @@ __all__ = ["Hopeless"]
 _STRICT = 1e-9
 """Relative room by which the bound must clear each limit (far above rounding, far below any difference of
 plans)."""
-_TERMS = (
-    "attn",
-    "linear",
-    "seq_overhead",
-    "length_overhead",
-    "bin_overhead",
-    "a2a_latency",
-    "p2p_latency",
-    "a2a_bytes_per_token",
-    "ring_bytes_per_token",
-    "ring_share",
-    "ring_exposure",
-)
-"""Coefficients of a rank's load; the bound holds only where none is negative (a model with one never stops the
-placement)."""
+_TERMS = (*FITTED, "a2a_bytes_per_token", "ring_bytes_per_token")
+"""Coefficients of a rank's load (the calibrated ones and the bytes per token); the bound holds only where none is
+negative (a model with one never stops the placement)."""
 
 
 class Hopeless:
