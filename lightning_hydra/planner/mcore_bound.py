@@ -20,7 +20,7 @@ import numpy as np
 from lightning_hydra.planner.calibration import FITTED
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.mcore import megatron_min_degree
-from lightning_hydra.planner.plan import Group
+from lightning_hydra.planner.plan import Group, group_arrays
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import Scored, spans_of
 
@@ -72,7 +72,8 @@ class Hopeless:
         self._models = models
         self._lengths = np.asarray(req.lengths, dtype=np.int64)
         lens = self._lengths.astype(np.float64)
-        degree = np.array([megatron_min_degree(int(x), req.capacity) for x in req.lengths], dtype=np.float64)
+        unique, index = np.unique(self._lengths, return_inverse=True)
+        degree = np.array([megatron_min_degree(int(x), req.capacity) for x in unique], dtype=np.float64)[index]
         # per sequence, summed over its ranks at the memory-driven degree: sum L^2, L, ranks, L * ranks (the
         # factors of attn, linear, seq_overhead and length_overhead)
         self._compute = np.stack([lens * lens, lens, degree, lens * degree], axis=1)
@@ -84,15 +85,10 @@ class Hopeless:
     def bound(self, groups: list[Group], pending: list[tuple[int, int]]) -> np.ndarray:
         """Add the microbatch of ``groups`` and return each model's lower bound on the whole placement's span, the
         ``(id, length)`` pairs of ``pending`` still to be placed."""
-        n = len(groups)
-        start = np.fromiter((g.ranks[0] for g in groups), dtype=np.int64, count=n)
-        u = np.fromiter((g.ulysses for g in groups), dtype=np.int64, count=n)
-        r = np.fromiter((g.ring for g in groups), dtype=np.int64, count=n)
-        counts = np.fromiter((len(g.seq_ids) for g in groups), dtype=np.int64, count=n)
-        seq = np.fromiter((i for g in groups for i in g.seq_ids), dtype=np.int64, count=int(counts.sum()))
-        gid = np.repeat(np.arange(n, dtype=np.int64), counts)
+        start, u, r, seq, gid = group_arrays(groups)
         crosses = self._req.cost.crossing(start, u * r)
-        tops = spans_of(self._models, self._lengths, np.zeros(n, dtype=np.int64), u, r, seq, gid, 1, 1, crosses)
+        mb = np.zeros(len(groups), dtype=np.int64)
+        tops = spans_of(self._models, self._lengths, mb, u, r, seq, gid, 1, 1, crosses)
         self._formed += tops
         self._top = np.maximum(self._top, tops)
         waiting = np.fromiter((i for i, _ in pending), dtype=np.int64, count=len(pending))

@@ -14,7 +14,7 @@ import numpy as np
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import shard_tokens
 
-__all__ = ["Group", "Plan", "PlanError"]
+__all__ = ["Group", "Plan", "PlanError", "group_arrays"]
 
 
 class PlanError(ValueError):
@@ -88,6 +88,24 @@ class Group:
         return self.ranks[self.index(rank) % self.ulysses :: self.ulysses]
 
 
+def group_arrays(
+    groups: list[Group], ranks: list[tuple[int, ...]] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Flat arrays of ``groups``: per group its first rank, Ulysses and ring degrees; per placed sequence its index
+    and group number (:meth:`Plan.flat` without the microbatch column). ``ranks``: each group's ranks, where already
+    read."""
+    n = len(groups)
+    ranks = [g.ranks for g in groups] if ranks is None else ranks
+    start = np.fromiter(map(itemgetter(0), ranks), dtype=np.int64, count=n)
+    u = np.array([g.ulysses for g in groups], dtype=np.int64)
+    r = np.array([g.ring for g in groups], dtype=np.int64)
+    seq_ids = [g.seq_ids for g in groups]
+    counts = np.fromiter(map(len, seq_ids), dtype=np.int64, count=n)
+    seq = np.fromiter(chain.from_iterable(seq_ids), dtype=np.int64, count=int(counts.sum()))
+    gid = np.repeat(np.arange(n, dtype=np.int64), counts)
+    return start, u, r, seq, gid
+
+
 @dataclass
 class Plan:
     """A schedule of one global batch: ``microbatches[m]`` is the list of groups of microbatch ``m``."""
@@ -132,16 +150,8 @@ class Plan:
         self, groups: list[Group], ranks: list[tuple[int, ...]]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`flat` of ``groups`` (:meth:`_groups`) whose ``ranks`` were already read."""
-        n = len(groups)
         mb = np.repeat(np.arange(len(self.microbatches), dtype=np.int64), [len(gs) for gs in self.microbatches])
-        start = np.fromiter(map(itemgetter(0), ranks), dtype=np.int64, count=n)
-        u = np.array([g.ulysses for g in groups], dtype=np.int64)
-        r = np.array([g.ring for g in groups], dtype=np.int64)
-        seq_ids = [g.seq_ids for g in groups]
-        counts = np.fromiter(map(len, seq_ids), dtype=np.int64, count=n)
-        seq = np.fromiter(chain.from_iterable(seq_ids), dtype=np.int64, count=int(counts.sum()))
-        gid = np.repeat(np.arange(n, dtype=np.int64), counts)
-        return mb, start, u, r, seq, gid
+        return (mb, *group_arrays(groups, ranks))
 
     def _spread(self, mb: np.ndarray, start: np.ndarray, size: np.ndarray, per_group: np.ndarray) -> np.ndarray:
         """Broadcast one value per group to ``[num_microbatches, world_size]``."""
