@@ -24,7 +24,7 @@ from lightning_hydra.planner.robust import (
     spans_of,
 )
 from lightning_hydra.sim import Hardware, ModelShape, bin_time
-from lightning_hydra.sim.family import DEVICE_TRUTHS, TRUTHS, truth
+from lightning_hydra.sim.family import DEVICE_TRUTHS, RANDOM_RANGES, TRUTHS, random_truth, truth
 from lightning_hydra.sim.truth import plan_times
 
 MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=100)
@@ -93,6 +93,38 @@ def test_device_truths_change_the_devices_constants_on_the_same_base():
     a100 = truth("a100", 32)
     assert (a100.peak_flops, a100.intra_node_bandwidth, a100.inter_node_bandwidth) == (312e12, 240e9, 25e9)
     assert truth("node4", 32).gpus_per_node == 4 and truth("gemm2k", 32).gemm_half_tokens == 2048.0
+
+
+def test_random_truths_are_drawn_reproducibly_within_their_ranges():
+    """``random<k>`` is the same hardware on every call, differs between draws, keeps every draw inside
+    :data:`RANDOM_RANGES` (``seq_overhead`` given over all layers), reaches the knobs the grid turns one at a time, and
+    keeps the base's other fields; a name that is neither a truth nor a draw is refused."""
+    base = truth("base", 32)
+    draws = [truth(f"random{k}", 32) for k in range(60)]
+    assert draws[7] == random_truth(7, 32) == truth("random7", 32)
+    assert len({(h.peak_flops, h.gemm_half_tokens) for h in draws}) == 60
+    intra, inter = base.intra_node_bandwidth, base.inter_node_bandwidth
+    lo, hi = RANDOM_RANGES["bandwidth"]
+    for hw in draws:
+        for name in ("peak_flops", "gemm_efficiency", "gemm_half_tokens", "attn_efficiency", "attn_half_len",
+                     "a2a_latency", "p2p_latency", "layer_overhead", "ring_step_overhead"):  # fmt: skip
+            assert RANDOM_RANGES[name][0] <= getattr(hw, name) <= RANDOM_RANGES[name][1], name
+        assert RANDOM_RANGES["seq_overhead"][0] <= hw.seq_overhead * 32 <= RANDOM_RANGES["seq_overhead"][1]
+        assert lo * intra <= hw.intra_node_bandwidth <= hi * intra
+        assert lo * inter <= hw.inter_node_bandwidth <= hi * inter
+        assert hw.ring_share is None or 0 <= hw.ring_share <= RANDOM_RANGES["ring_share"][1]
+        assert hw.memory_bytes == base.memory_bytes and hw.sources == base.sources
+    # the forms the grid turns one at a time all occur, and so does their absence
+    assert {h.gpus_per_node for h in draws} == {4, 8}
+    assert {h.attn_tile_tokens for h in draws} == {0.0, 256.0, 512.0, 1024.0}
+    assert {h.a2a_full_heads for h in draws} == {False, True}
+    assert {h.ring_share is None for h in draws} == {False, True}
+    assert truth("random3", 80).seq_overhead == pytest.approx(truth("random3", 32).seq_overhead * 32 / 80)
+    for bad in ("random", "random-1", "randomx", "gemm3k"):
+        with pytest.raises(ValueError, match="unknown truth"):
+            truth(bad, 32)
+    with pytest.raises(ValueError, match="numbered from 0"):
+        random_truth(-1, 32)
 
 
 def test_closed_loop_learns_a_truth_of_another_form():
@@ -611,6 +643,28 @@ def test_robustness_cells_plan_and_time_the_model_asked():
     assert max(cell["calibrated"]["hydra"], cell["calibrated"]["mcore"]) <= cell["calibrated"]["ceiling"]
     with pytest.raises(SystemExit):
         main(["--model", "gpt5"])
+
+
+def test_robustness_benchmark_draws_truths_and_shifts_the_batches(capsys):
+    """``--random-truths K`` adds the cells of ``random0 .. random<K-1>``, ``--seed-offset`` evaluates on other
+    batches (the cell says so), and a run without any truth is refused."""
+    import json
+
+    from lightning_hydra.bench.robust import main, run_pool
+
+    args = ["--world-sizes", "64", "--contexts", "32K", "--distributions", "stdlib", "--steps", "1", "--evaluations"]
+    main([*args, "1", "--truths", "--random-truths", "2", "--seed-offset", "7"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    cells, summary = lines[:-1], lines[-1]["summary"]["32K"]
+    assert [c["truth"] for c in cells] == ["random0", "random1"] and all(c["seed_offset"] == 7 for c in cells)
+    assert summary["cells"] == 2 and summary["cells_below_ratio_target"] == sum(
+        c["calibrated"]["hydra_over_mcore"] < 1.0 for c in cells
+    )
+    assert summary["mean_best_candidate_minus_hydra"] >= 0  # the best candidate is one hydra chose from
+    unshifted = run_pool(64, "32K", "stdlib", ["random0"], steps=1, evaluations=1)[0]
+    assert "seed_offset" not in unshifted and unshifted["calibrated"]["mcore"] != cells[0]["calibrated"]["mcore"]
+    with pytest.raises(SystemExit):
+        main([*args, "1", "--truths"])
 
 
 def test_megatrons_plan_is_kept_unless_beaten_by_the_margin(monkeypatch):

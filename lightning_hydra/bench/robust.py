@@ -9,6 +9,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust --microbatches 16  # batches planned into 16 microbatches (default 8)
     python -m lightning_hydra.bench.robust --model llama3-70b  # another model shape (llama3-1b, default llama3-8b)
     python -m lightning_hydra.bench.robust --truths gemm2k fastgpu  # truths of other device constants
+    python -m lightning_hydra.bench.robust --truths --random-truths 40 --seed-offset 5000  # drawn truths, new batches
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -50,7 +51,7 @@ from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlanRequest, s
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.planner.hydra import candidate_plans
 from lightning_hydra.sim.ceiling import efficiency_ceiling
-from lightning_hydra.sim.family import DEVICE_TRUTHS, TRUTHS, truth
+from lightning_hydra.sim.family import DEVICE_TRUTHS, RANDOM_PREFIX, TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import plan_times, useful_time
 
@@ -60,6 +61,7 @@ __all__ = [
     "LLAMA_70B",
     "LLAMA_8B",
     "MODELS",
+    "RATIO_TARGETS",
     "analytic_cost",
     "efficiency",
     "main",
@@ -68,6 +70,8 @@ __all__ = [
 
 EFFICIENCY_TARGET = 0.90
 """The efficiency the summary counts cells against (the planner's target at 256K contexts)."""
+RATIO_TARGETS = {"256K": 1.03, "32K": 1.00}
+"""Calibrated hydra / mcore the summary counts cells against, per context (the planner's targets)."""
 
 LLAMA_70B = ModelShape(
     hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672, vocab_size=128256
@@ -162,13 +166,14 @@ def _closed_loop(
 
 def run_pool(
     world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int, fill: float = 0.75,
-    microbatches: int = 8, model: ModelShape = LLAMA_8B,
+    microbatches: int = 8, model: ModelShape = LLAMA_8B, seed_offset: int = 0,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every truth's cell for one pool, context and distribution (baselines planned once); batches hold ``fill`` of
-    the pool's tokens over ``microbatches`` microbatches; ``model`` is planned and timed."""
+    the pool's tokens over ``microbatches`` microbatches; ``model`` is planned and timed; the evaluation batches'
+    seeds are ``1000 + seed_offset`` on, the closed loop's ``2000 + seed_offset`` on."""
     mbs = microbatches
-    held_out = _batches(dist, world, context, range(1000, 1000 + evaluations), fill, mbs)
-    loop = _batches(dist, world, context, range(2000, 2000 + steps), fill, mbs)
+    held_out = _batches(dist, world, context, range(1000 + seed_offset, 1000 + seed_offset + evaluations), fill, mbs)
+    loop = _batches(dist, world, context, range(2000 + seed_offset, 2000 + seed_offset + steps), fill, mbs)
     analytic = analytic_cost(model)
     fixed = {
         p: [_plan(b, p, analytic, world, context, mbs, model) for b in held_out] for p in ("mcore", "static", "hydra")
@@ -183,6 +188,8 @@ def run_pool(
             cell["microbatches"] = mbs
         if model != LLAMA_8B:
             cell["model"] = next((key for key, shape in MODELS.items() if shape == model), str(model))
+        if seed_offset:
+            cell["seed_offset"] = seed_offset
         eff = {p: statistics.fmean(efficiency(plan, hw, model)[0] for plan, _ in runs) for p, runs in fixed.items()}
         cell["uncalibrated"] = {
             **{p: round(v, 4) for p, v in eff.items()},
@@ -251,6 +258,15 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 statistics.fmean(c["calibrated"]["hydra_over_mcore"] for c in mine), 4
             ),
             "cells_below_mcore": sum(c["calibrated"]["hydra_over_mcore"] < 1 for c in mine),
+            "cells_below_ratio_target": sum(
+                c["calibrated"]["hydra_over_mcore"] < RATIO_TARGETS.get(context, 1.0) for c in mine
+            ),
+            "mean_best_candidate_minus_hydra": round(
+                statistics.fmean(
+                    c["calibrated"]["best_candidate_over_mcore"] - c["calibrated"]["hydra_over_mcore"] for c in mine
+                ),
+                4,
+            ),
             "worst_best_candidate_over_mcore": min(c["calibrated"]["best_candidate_over_mcore"] for c in mine),
             "cells_where_best_candidate_below_mcore": sum(
                 c["calibrated"]["best_candidate_over_mcore"] < 1 for c in mine
@@ -329,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--truths", nargs="*", default=list(TRUTHS), choices=[*TRUTHS, *DEVICE_TRUTHS], help="default: the grid's"
     )
+    parser.add_argument(
+        "--random-truths", type=int, default=0, help=f"also truths {RANDOM_PREFIX}0 .. {RANDOM_PREFIX}<K-1> (drawn)"
+    )
+    parser.add_argument("--seed-offset", type=int, default=0, help="shift every batch seed (other held-out batches)")
     parser.add_argument("--steps", type=int, default=8, help="closed-loop steps before the calibrated evaluation")
     parser.add_argument("--evaluations", type=int, default=2, help="held-out batches per cell (1 at 2,048 ranks)")
     parser.add_argument("--fill", type=float, default=0.75, help="share of the pool's tokens a batch holds")
@@ -340,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fill must be in (0, 1], got {args.fill}")
     if args.microbatches < 1:
         parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
+    if args.random_truths < 0 or args.seed_offset < 0:
+        parser.error("--random-truths and --seed-offset must not be negative")
+    truths = [*args.truths, *(f"{RANDOM_PREFIX}{k}" for k in range(args.random_truths))]
+    if not truths:
+        parser.error("no truths: name some with --truths or draw some with --random-truths")
     sizes = args.world_sizes or ([64, 512, 2048] if args.full else [64, 512])
     cells = []
     start = time.perf_counter()
@@ -348,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             for dist in args.distributions:
                 evaluations = 1 if world >= 2048 else args.evaluations
                 cells += run_pool(
-                    world, context, dist, args.truths, steps=args.steps, evaluations=evaluations, fill=args.fill,
-                    microbatches=args.microbatches, model=MODELS[args.model],
+                    world, context, dist, truths, steps=args.steps, evaluations=evaluations, fill=args.fill,
+                    microbatches=args.microbatches, model=MODELS[args.model], seed_offset=args.seed_offset,
                 )  # fmt: skip
     summary = {"summary": summarize(cells), "seconds": round(time.perf_counter() - start, 1), "load": os.getloadavg()}
     print(json.dumps(summary), flush=True)

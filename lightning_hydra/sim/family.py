@@ -20,13 +20,17 @@ planner's model does not have:
 
 :data:`DEVICE_TRUTHS` keep the form and change the device's constants instead (``python -m
 lightning_hydra.bench.robust --truths gemm2k attn4k ...``): a check on truths the planner was not tuned against.
+:func:`random_truth` draws both at once (``random0``, ``random1``, ...: every constant and knob of
+:data:`RANDOM_RANGES` at random, ``--random-truths K``): held-out truths no one chose.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from lightning_hydra.sim.hardware import PRESETS, Hardware
 
-__all__ = ["DEVICE_TRUTHS", "PLANNER_BANDWIDTHS", "TRUTHS", "truth"]
+__all__ = ["DEVICE_TRUTHS", "PLANNER_BANDWIDTHS", "RANDOM_PREFIX", "RANDOM_RANGES", "TRUTHS", "random_truth", "truth"]
 
 PLANNER_BANDWIDTHS = (400e9, 50e9)
 """The planner's default intra- and inter-node bandwidths (:meth:`CostModel.for_transformer`)."""
@@ -76,22 +80,97 @@ attention at half efficiency at 4,096-token chunks (``attn4k``), 10x launch and 
 several at once (``mix``)."""
 
 
+RANDOM_PREFIX = "random"
+"""Truth ``random<k>`` (``k`` = 0, 1, ...) is :func:`random_truth` of ``k``."""
+
+RANDOM_RANGES: dict[str, tuple[float, float]] = {
+    "peak_flops": (300e12, 2.5e15),
+    "gemm_efficiency": (0.5, 0.85),
+    "gemm_half_tokens": (0.0, 4096.0),
+    "attn_efficiency": (0.3, 0.6),
+    "attn_half_len": (0.0, 8192.0),
+    "bandwidth": (0.4, 2.0),
+    "a2a_latency": (5e-6, 150e-6),
+    "p2p_latency": (5e-6, 150e-6),
+    "layer_overhead": (20e-6, 1e-3),
+    "seq_overhead": (0.0, 50e-6),
+    "ring_step_overhead": (0.0, 200e-6),
+    "ring_share": (0.0, 0.5),
+}
+"""Ranges :func:`random_truth` draws from: ``peak_flops``, ``bandwidth`` (each link's factor on the planner's default,
+drawn apart), the latencies and ``layer_overhead`` log-uniformly, the others uniformly; ``seq_overhead`` is per
+sequence over all layers (as in :data:`TRUTHS`). Besides: 4 devices per node with probability 1/4 (the planner
+assumes 8), a tile floor of 256, 512 or 1,024 tokens with probability 1/2 (each 1/6), ``ring_share`` drawn with
+probability 1/2 (else exposure is what attention fails to hide), the all-to-all without the GQA saving with
+probability 0.3."""
+
+
+def random_truth(index: int, num_layers: int, base: Hardware | None = None) -> Hardware:
+    """Truth ``random<index>``: every constant of the device and every knob of the family drawn at once from
+    :data:`RANDOM_RANGES` (the same hardware for the same ``index`` on every machine: numpy's PCG64 seeded with
+    ``index``).
+
+    Args:
+        index: Which draw (non-negative).
+        num_layers: Layers the model has (``seq_overhead`` is drawn over all layers).
+        base: The device whose other fields are kept (default: as :func:`truth`).
+    """
+    if index < 0:
+        raise ValueError(f"random truths are numbered from 0, got {index}")
+    rng = np.random.default_rng(index)
+    hw = base or _base()
+
+    def draw(name: str, log: bool = False) -> float:
+        lo, hi = RANDOM_RANGES[name]
+        return float(np.exp(rng.uniform(np.log(lo), np.log(hi)))) if log else float(rng.uniform(lo, hi))
+
+    intra, inter = PLANNER_BANDWIDTHS
+    return hw.replace(
+        name=f"{hw.name}/{RANDOM_PREFIX}{index}",
+        peak_flops=draw("peak_flops", log=True),
+        gemm_efficiency=draw("gemm_efficiency"),
+        gemm_half_tokens=draw("gemm_half_tokens"),
+        attn_efficiency=draw("attn_efficiency"),
+        attn_half_len=draw("attn_half_len"),
+        intra_node_bandwidth=intra * draw("bandwidth", log=True),
+        inter_node_bandwidth=inter * draw("bandwidth", log=True),
+        gpus_per_node=4 if rng.random() < 0.25 else 8,
+        a2a_latency=draw("a2a_latency", log=True),
+        p2p_latency=draw("p2p_latency", log=True),
+        layer_overhead=draw("layer_overhead", log=True),
+        seq_overhead=draw("seq_overhead") / num_layers,
+        ring_step_overhead=draw("ring_step_overhead"),
+        attn_tile_tokens=float(rng.choice([0.0, 0.0, 0.0, 256.0, 512.0, 1024.0])),
+        ring_share=draw("ring_share") if rng.random() < 0.5 else None,
+        a2a_full_heads=bool(rng.random() < 0.3),
+    )
+
+
+def _base() -> Hardware:
+    """The grid's device: the ``h100`` preset at the planner's default bandwidths, no per-sequence overhead."""
+    intra, inter = PLANNER_BANDWIDTHS
+    return PRESETS["h100"].replace(
+        name="h100-planner-links", intra_node_bandwidth=intra, inter_node_bandwidth=inter, seq_overhead=0.0
+    )
+
+
 def truth(name: str, num_layers: int, base: Hardware | None = None) -> Hardware:
     """The hardware of truth ``name`` (see :data:`TRUTHS`).
 
     Args:
-        name: A key of :data:`TRUTHS` or :data:`DEVICE_TRUTHS`.
+        name: A key of :data:`TRUTHS` or :data:`DEVICE_TRUTHS`, or ``random<k>`` (:func:`random_truth` of ``k``).
         num_layers: Layers the model has (``seq_overhead`` is given over all layers; the hardware holds it per
             layer).
         base: The device (default: the ``h100`` preset at the planner's default bandwidths, no per-sequence
             overhead).
     """
+    if name.startswith(RANDOM_PREFIX) and name[len(RANDOM_PREFIX) :].isdigit():
+        return random_truth(int(name[len(RANDOM_PREFIX) :]), num_layers, base)
     if name not in TRUTHS and name not in DEVICE_TRUTHS:
-        raise ValueError(f"unknown truth {name!r}; choose one of {sorted(TRUTHS) + sorted(DEVICE_TRUTHS)}")
-    intra, inter = PLANNER_BANDWIDTHS
-    hw = base or PRESETS["h100"].replace(
-        name="h100-planner-links", intra_node_bandwidth=intra, inter_node_bandwidth=inter, seq_overhead=0.0
-    )
+        raise ValueError(
+            f"unknown truth {name!r}; choose one of {sorted(TRUTHS) + sorted(DEVICE_TRUTHS)} or {RANDOM_PREFIX}<k>"
+        )
+    hw = base or _base()
     knobs = dict(TRUTHS[name] if name in TRUTHS else DEVICE_TRUTHS[name])
     scale = float(knobs.pop("bandwidth", 1.0))
     changes: dict[str, float | bool | str] = {
