@@ -8,7 +8,17 @@ import pytest
 from lightning_hydra.metrics import StepRecord, balance, bubble_dp, degree_histogram, replay_step_time, step_metrics
 from lightning_hydra.metrics.record import rank_row
 from lightning_hydra.planner import CostModel
-from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator, bin_features, predict, relative_error
+from lightning_hydra.planner.calibration import (
+    INTER,
+    INTRA,
+    NUM_FEATURES,
+    CostCalibrator,
+    bin_features,
+    predict,
+    relative_error,
+    ring_links,
+)
+from lightning_hydra.planner.robust import ensemble
 
 COST = CostModel.for_transformer(256, 4, 8, flops_per_second=1e12, intra_node_bandwidth=1e9)
 
@@ -197,6 +207,70 @@ def test_the_refit_model_knows_whether_rings_were_measured():
     for _ in range(cal.window):  # the rings leave the window; the coefficients fitted to them stay
         cal.add(*measure(1), includes_comm=True)
     assert cal.refit(measured).rings_measured
+
+
+def test_the_refit_model_knows_which_links_its_window_timed():
+    """:func:`ring_links` tells each row's ring link from its features (inside a node, across nodes, none); the
+    refit flags each ring link its current window timed with rings without a Ulysses level (only rows whose
+    communication it fits, and not after they leave the window, unlike ``rings_measured``); the flags travel with
+    the model's dict, and the ensemble's slower-communication member halves the all-to-all and the ring links not
+    timed."""
+    cost = COST.replace(ranks_per_node=8)
+    rng = np.random.default_rng(5)
+    rows = np.array(
+        [
+            bin_features(cost, [4096, 2048], 1, 4, crosses=False),  # a ring of 4 inside a node
+            bin_features(cost, [4096], 1, 4, crosses=True),  # the same ring laid across two nodes
+            bin_features(cost, [8192, 300], 2, 4),  # 8 ranks divide the node: inside (a tile-bound short one too)
+            bin_features(cost, [8192], 8, 2),  # 16 ranks: across
+            bin_features(cost, [8192], 4, 1),  # Ulysses only: no ring
+            np.zeros(NUM_FEATURES),  # an idle rank
+        ]
+    )
+    assert ring_links(cost, rows).tolist() == [INTRA, INTER, INTRA, INTER, 0, 0]
+    assert ring_links(cost.replace(ranks_per_node=0), rows[3:4]).tolist() == [INTER]  # no topology: all cross
+
+    def measure(u: int, r: int, crosses: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        feats = np.array(
+            [bin_features(cost, rng.integers(256, 8192, size=2), u, r, crosses=crosses) for _ in range(20)]
+        )
+        return feats, predict(cost, feats, includes_comm=True) * 1.2
+
+    def links(model: CostModel) -> tuple[bool, bool]:
+        return model.intra_rings_measured, model.inter_rings_measured
+
+    assert links(cost) == (False, False)
+    cal = CostCalibrator(window=4)
+    cal.add(*measure(2, 4), includes_comm=True)  # a nested ring (Ulysses 2 inside): 1/2 of the bytes, not counted
+    nested = cal.refit(cost)
+    assert links(nested) == (False, False) and nested.rings_measured
+    cal.add(*measure(1, 4, crosses=False), includes_comm=False)  # a thread timer: the ring's time is not seen
+    assert links(cal.refit(cost)) == (False, False)
+    cal.add(*measure(1, 4, crosses=False), includes_comm=True)
+    inside = cal.refit(cost)
+    assert links(inside) == (True, False)
+    feats, times = measure(1, 3, crosses=True)
+    cal.add(feats, times * 0.9, includes_comm=False, comm=times * 0.1)  # communication measured apart: timed
+    both = cal.refit(inside)
+    assert links(both) == (True, True)
+    assert links(CostModel.from_dict(both.to_dict())) == (True, True)
+    assert links(CostModel.from_dict({k: v for k, v in both.to_dict().items() if "rings_measured" not in k})) == (
+        False,
+        False,
+    )
+    for _ in range(cal.window):  # only Ulysses bins left in the window: the rings are no longer timed
+        cal.add(*measure(2, 1), includes_comm=True)
+    after = cal.refit(both)
+    assert links(after) == (False, False) and after.rings_measured
+    # the slower-communication member halves the all-to-all and the ring links not timed, and only those
+    for model, halved in ((cost, (True, True)), (inside, (False, True)), (both, (False, False))):
+        slow = ensemble(model)[1]
+        assert slow.intra_node_bandwidth == model.intra_node_bandwidth / 2
+        ratios = (
+            slow.intra_node_ring_bandwidth / model.intra_node_ring_bandwidth,
+            slow.inter_node_bandwidth / model.inter_node_bandwidth,
+        )
+        assert ratios == tuple(0.5 if h else 1.0 for h in halved)
 
 
 def test_calibrator_state_round_trip():

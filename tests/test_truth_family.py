@@ -276,25 +276,55 @@ def test_weighted_regret_lets_a_measured_model_outvote_half_a_hedge():
     assert measured[1] == MEASURED_COMM_WEIGHT and (np.delete(measured, 1) == 1).all()
 
 
+def test_ring_links_read_every_candidates_layout_from_its_features():
+    """On every candidate plan of 64- and 512-rank batches (the fine candidate's rings inside and across nodes,
+    Megatron's and the power-of-two rings across), :func:`ring_links` of the plan's features gives each rank's ring
+    link exactly as the plan's layout has it."""
+    from lightning_hydra.bench.robust import _batches, _request
+    from lightning_hydra.planner.calibration import INTER, INTRA, ring_links
+    from lightning_hydra.planner.hydra import candidate_plans
+
+    cost = llama8b_cost()
+    seen = set()
+    for world, context, dist in ((64, "256K", "pareto"), (512, "32K", "lognormal")):
+        batch = _batches(dist, world, context, range(1000, 1001))[0]
+        for plan in candidate_plans(_request(batch, cost, world, context)).values():
+            mb, start, u, r, _, gid = plan.flat()
+            crosses = cost.crossing(start, u * r)
+            expected = np.zeros(plan.num_microbatches * plan.world_size, dtype=np.int64)
+            for g in np.unique(gid):
+                rows = mb[g] * plan.world_size + start[g] + np.arange(u[g] * r[g])
+                if r[g] > 1:
+                    expected[rows] = INTER if crosses[g] else INTRA
+            assert np.array_equal(ring_links(cost, plan_features(plan, cost)), expected)
+            seen |= set(expected.tolist())
+    assert seen == {0, INTRA, INTER}
+
+
 def test_a_calibrated_model_is_not_outvoted_by_a_full_weight_bandwidth_hedge(monkeypatch):
     """After a closed loop that timed rings (64 ranks, 256K standard-library lengths, 4 microbatches, ``base``
-    truth), the calibrated model predicts the fine candidate fastest and the member with communication twice as slow
-    charges it more: at full weight hydra took a lifted power-of-two candidate instead; with the member at half
-    weight it takes the fine one, which the truth times more than 3% faster."""
+    truth), the calibrated model predicts the fine candidate fastest. Had the loop not told which links it timed, the
+    member with communication twice as slow would charge it more: at full weight hydra took a lifted power-of-two
+    candidate instead; with the member at half weight it takes the fine one, which the truth times more than 3%
+    faster. The loop timed plain rings on both ring links, so that member no longer halves them and the weight no
+    longer decides."""
     import lightning_hydra.planner.robust as robust_module
     from lightning_hydra.bench.robust import _batches, _closed_loop
 
     hw = truth("base", LLAMA_8B.num_layers)
-    cost = _closed_loop(_batches("stdlib", 64, "256K", range(2000, 2002), 0.75, 4), hw, 64, "256K", 4)
-    assert cost.rings_measured
+    timed = _closed_loop(_batches("stdlib", 64, "256K", range(2000, 2002), 0.75, 4), hw, 64, "256K", 4)
+    assert timed.rings_measured and timed.intra_rings_measured and timed.inter_rings_measured
+    untold = timed.replace(intra_rings_measured=False, inter_rings_measured=False)
     batch = _batches("stdlib", 64, "256K", range(1000, 1001), 0.75, 4)[0]
-    half, _ = _plan(batch, "hydra", cost, 64, "256K", 4)
+    half, _ = _plan(batch, "hydra", untold, 64, "256K", 4)
     with monkeypatch.context() as m:
         m.setattr(robust_module, "MEASURED_COMM_WEIGHT", 1.0)
-        full, _ = _plan(batch, "hydra", cost, 64, "256K", 4)
+        full, _ = _plan(batch, "hydra", untold, 64, "256K", 4)
+        timed_full, _ = _plan(batch, "hydra", timed, 64, "256K", 4)
     assert half.stats["candidate"] == "fine/load" != full.stats["candidate"]
-    assert half.efficiency(cost) > full.efficiency(cost)  # the planner's own model prefers it
+    assert half.efficiency(untold) > full.efficiency(untold)  # the planner's own model prefers it
     assert efficiency(half, hw)[0] > 1.03 * efficiency(full, hw)[0]
+    assert timed_full.stats["candidate"] == "fine/load"
 
 
 def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeypatch):

@@ -35,7 +35,9 @@ sequence) and that the window cannot tell apart from the others keeps its coeffi
 the cost: the ridge alone would split it between them, and shapes the window never held (bins with ``u = 1`` after a
 loop of Megatron's plans) would be predicted without their share. The refitted model records whether a window ever
 held ring traffic (:attr:`CostModel.rings_measured`): until one has, the ring's coefficients are the analytic ones,
-and the planner's robust choice weighs slower rings too.
+and the planner's robust choice weighs slower rings too. It also records which ring links the current window timed
+with rings without a Ulysses level (inside a node, across nodes: :func:`ring_links` tells a ring's link from its
+features), so the robust choice stops hedging a ring link a measurement has fitted.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ __all__ = [
     "COMM",
     "FEATURE_FORM",
     "FITTED",
+    "INTER",
+    "INTRA",
     "NUM_FEATURES",
     "REFINEMENTS",
     "CostCalibrator",
@@ -61,6 +65,7 @@ __all__ = [
     "plan_features",
     "predict",
     "relative_error",
+    "ring_links",
 ]
 
 FITTED = (
@@ -160,6 +165,53 @@ def plan_features(plan: Plan, cost: CostModel) -> np.ndarray:
     )
     out = np.zeros((plan.num_microbatches * plan.world_size, NUM_FEATURES))
     out[rows] = np.repeat(per, size, axis=0)
+    return out
+
+
+INTRA, INTER = 1, 2
+"""Codes of :func:`ring_links`: a ring inside one node, a ring across nodes (0: no ring traffic, -1: not told)."""
+
+
+def ring_links(cost: CostModel, features: np.ndarray) -> np.ndarray:
+    """Which link each row's ring traffic used: :data:`INTRA`, :data:`INTER`, 0 (no ring traffic) or -1 (the row
+    fits neither link, or both).
+
+    The traffic feature of a bin of ``sum(L)`` tokens on a ring of ``r`` ranks with Ulysses degree ``u`` is
+    ``(r - 1) / r * ring_bytes_per_token * sum(L) / (u * bandwidth)`` at the link its group uses (the ring
+    bandwidths are never refitted, so ``cost``'s are the ones the features were computed with). A link is the
+    row's where that gives a whole Ulysses degree that divides the node, is above 1 exactly where the row's
+    all-to-all feature says so, and does not exceed the degree the row's compute features imply (``sum(L) / sum(L /
+    d_eff)``, at most ``u * r``). With the default links (400 and 50 GB/s) every row is told; links whose ratio is
+    a ratio of two Ulysses degrees above 1 can leave rows untold, which then count as neither link.
+
+    Args:
+        cost: The model the features were computed with (its ring bandwidths and bytes per token).
+        features: ``[n, NUM_FEATURES]`` rows (:func:`bin_features`, :func:`plan_features`).
+    """
+    f = np.asarray(features, dtype=np.float64).reshape(-1, NUM_FEATURES)
+    out = np.zeros(f.shape[0], dtype=np.int64)
+    ring = (f[:, 8] > 0) & (f[:, 6] > 0) & (f[:, 3] > 0) & (f[:, 1] > 0)
+    if not ring.any() or cost.ring_bytes_per_token <= 0:
+        return out
+    r = f[ring, 6] + 1.0
+    u_times_bw = (r - 1.0) / r * cost.ring_bytes_per_token * f[ring, 3] / f[ring, 8]
+    degree = f[ring, 3] / f[ring, 1]  # the group's degree where no tile floor binds, below it where one does
+    node = int(cost.ranks_per_node)
+    fits = []
+    for link, bandwidth in ((INTRA, cost.intra_node_ring_bandwidth), (INTER, cost.inter_node_bandwidth)):
+        if link == INTRA and not node:  # without a topology every ring crosses nodes
+            fits.append(np.zeros(r.size, dtype=bool))
+            continue
+        u = u_times_bw / bandwidth
+        whole = np.round(u)
+        ok = (whole >= 1) & np.isclose(u, whole, rtol=1e-6, atol=0.0)
+        ok &= (whole > 1) == (f[ring, 5] > 0)
+        ok &= degree <= whole * r * (1 + 1e-9)
+        if node:
+            ok &= np.mod(node, np.maximum(whole, 1)) == 0
+        fits.append(ok)
+    intra, inter = fits
+    out[ring] = np.where(intra & ~inter, INTRA, np.where(inter & ~intra, INTER, -1))
     return out
 
 
@@ -313,9 +365,27 @@ class CostCalibrator:
         values = {name: float(v) for name, v in zip(FITTED, theta, strict=True)}
         values["intra_node_bandwidth"] = cost.intra_node_bandwidth if theta[7] == theta0[7] else float(1.0 / theta[7])
         values["rings_measured"] = bool(cost.rings_measured or norms[8] > 0)
+        values["intra_rings_measured"], values["inter_rings_measured"] = self._links(cost)
         self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
         self._bandwidth = values["intra_node_bandwidth"]
         return cost.replace(**values)
+
+    def _links(self, cost: CostModel) -> tuple[bool, bool]:
+        """Whether the window timed rings without a Ulysses level inside a node and across nodes, counting only
+        rows whose communication was fitted (a time that includes it, or a separate measurement of it). A nested
+        ring moves 1/u of the bytes per rank, mostly behind attention, and says little of a plain ring on the same
+        link."""
+        timed = []
+        for f, _, c, joint in self._rows:
+            if joint:
+                timed.append(f)
+            elif c is not None:
+                timed.append(f[c > 0])
+        if not timed:
+            return False, False
+        rows = np.concatenate(timed)
+        links = np.where(rows[:, 5] > 0, 0, ring_links(cost, rows))
+        return bool((links == INTRA).any()), bool((links == INTER).any())
 
     def _inseparable(self, gram: np.ndarray, free: np.ndarray) -> np.ndarray:
         """Refinements (:data:`REFINEMENTS`, in that order) among ``free`` whose normalised column lies within

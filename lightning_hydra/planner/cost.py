@@ -51,7 +51,7 @@ class CostModel:
     """Predicted time (seconds) of a rank's work in one microbatch.
 
     All coefficients are per *training* pass (forward plus backward) and are plain floats so they can be refitted
-    (``ranks_per_node`` is an int and ``rings_measured`` a flag; :meth:`from_dict` restores both from floats).
+    (``ranks_per_node`` is an int and the ``*_measured`` fields flags; :meth:`from_dict` restores them from floats).
     """
 
     attn: float
@@ -97,6 +97,13 @@ class CostModel:
     traffic exceeded its attention) were fitted to measured rings; ``False``: they are the analytic ones, and the
     planner's robust choice charges rings over slower links too (:func:`~lightning_hydra.planner.robust.ensemble`).
     Rings that attention hid entirely set it as well, though they say little of what an exposed ring costs."""
+    intra_rings_measured: bool = False
+    """Whether the last refit's window held timed traffic of rings without a Ulysses level inside a node (nested
+    rings move a fraction of the bytes, mostly hidden, and do not count); then the robust choice's
+    slower-communication member leaves that link alone (:func:`~lightning_hydra.planner.robust.ensemble`)."""
+    inter_rings_measured: bool = False
+    """Whether the last refit's window held timed traffic of rings without a Ulysses level across nodes (see
+    :attr:`intra_rings_measured`)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -192,6 +199,9 @@ class CostModel:
         values = dict(values)
         if "ranks_per_node" in values:
             values["ranks_per_node"] = int(values["ranks_per_node"])
+        for flag in ("intra_rings_measured", "inter_rings_measured"):
+            if flag in values:
+                values[flag] = bool(values[flag])
         if "rings_measured" in values:
             values["rings_measured"] = bool(values["rings_measured"])
         else:  # a dict from before the flag: a ring term off its analytic value was fitted to measured rings

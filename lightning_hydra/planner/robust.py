@@ -43,7 +43,8 @@ the truth (Llama-3-70B shape, 512 ranks, 256K lognormal, ``worst``: the calibrat
 hydra 1.024x mcore with full weight, 1.046x with half). Half, not zero: where the fit extrapolates (a ring shape or
 link the loop never ran), the member still steers (64 ranks, 32K, 4 microbatches: halving the member's slowdown to
 1.5x instead put one cell at 0.925x mcore: hydra took the fine candidate on one of its two batches). Before any ring
-was measured the member weighs in full. See the README's robustness section."""
+was measured the member weighs in full. The member stops slowing a ring link once the window has timed plain rings
+on it (:func:`_comm_member`). See the README's robustness section."""
 
 _COMM_MEMBER = 1
 """Index in :func:`ensemble` of the member whose links run at half their bandwidth."""
@@ -87,11 +88,7 @@ def ensemble(cost: CostModel) -> list[CostModel]:
     """
     return [
         cost,
-        cost.replace(
-            intra_node_bandwidth=cost.intra_node_bandwidth / 2,
-            inter_node_bandwidth=cost.inter_node_bandwidth / 2,
-            intra_node_ring_bandwidth=cost.intra_node_ring_bandwidth / 2,
-        ),
+        _comm_member(cost),
         cost.replace(ring_share=cost.ring_share + 0.25),
         cost.replace(length_overhead=cost.length_overhead + 512 * cost.attn),
         cost.replace(seq_overhead=cost.seq_overhead + 50e-6, bin_overhead=cost.bin_overhead + 1e-3),
@@ -102,8 +99,8 @@ def ensemble(cost: CostModel) -> list[CostModel]:
 def member_weights(models: list[CostModel]) -> np.ndarray:
     """Weight of each member's regret in :func:`choose` (the planner's own model and every perturbed member 1, but
     the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has measured ring traffic).
-    ``rings_measured`` says a window held ring traffic, not which links it crossed: the weight is a half, not zero,
-    so the member still steers where the fit extrapolates to a link it never timed.
+    The member stops slowing a ring link once the window has timed plain rings on it (:func:`_comm_member`); where
+    it slows one, the fit extrapolates to it, and the weight is a half, not zero, so the member still steers there.
 
     Args:
         models: The :func:`ensemble` the candidates were scored under (the planner's own model first).
@@ -112,6 +109,28 @@ def member_weights(models: list[CostModel]) -> np.ndarray:
     if models[0].rings_measured:
         weights[_COMM_MEMBER] = MEASURED_COMM_WEIGHT
     return weights
+
+
+def _comm_member(cost: CostModel) -> CostModel:
+    """``cost`` with its links at half their bandwidth: the all-to-all's always, each ring link unless the
+    calibration window timed rings without a Ulysses level on it (:attr:`CostModel.intra_rings_measured`,
+    :attr:`CostModel.inter_rings_measured`).
+
+    A ring link timed so has its cost fitted (the ring's share and exposure on that traffic), and halving it would
+    hedge a measurement: at 2,048 ranks, 256K lognormal batches, under 10 of 40 drawn truths with faster compute or
+    links than assumed, this member charged the fine candidate 25-38% more after a loop that had timed its rings,
+    and hydra took a power-of-two candidate 4-9% slower under the truth. Rings timed only with a Ulysses level
+    (Megatron's plans) leave the link halved: their exposure, fitted on 1/u of the bytes behind long attention, said
+    the fine candidate's plain rings were 3.5% faster than Megatron's plan where the truth timed them 15% slower
+    (64 ranks, 32K, 4 microbatches, ``bw0.5``). The all-to-all stays halved although its bandwidth is fitted: nearly
+    every plan times it, and sparing it while the rings stay halved turned this member towards Ulysses-heavy
+    candidates (a 64 x 32K cell at 4 microbatches, ``share0``, fell from 1.071x to 1.051x mcore)."""
+    half = {True: 1.0, False: 0.5}
+    return cost.replace(
+        intra_node_bandwidth=cost.intra_node_bandwidth / 2,
+        inter_node_bandwidth=cost.inter_node_bandwidth * half[cost.inter_rings_measured],
+        intra_node_ring_bandwidth=cost.intra_node_ring_bandwidth * half[cost.intra_rings_measured],
+    )
 
 
 def _ring_member(cost: CostModel) -> CostModel:
