@@ -253,6 +253,9 @@ def test_the_refit_model_knows_which_links_its_window_timed():
     cal.add(feats, times * 0.9, includes_comm=False, comm=times * 0.1)  # communication measured apart: timed
     both = cal.refit(inside)
     assert links(both) == (True, True)
+    restored = CostCalibrator(window=4)
+    restored.load_state_dict(cal.state_dict())  # a resumed run reads the same links from the restored window
+    assert links(restored.refit(inside)) == (True, True)
     assert links(CostModel.from_dict(both.to_dict())) == (True, True)
     assert links(CostModel.from_dict({k: v for k, v in both.to_dict().items() if "rings_measured" not in k})) == (
         False,

@@ -258,6 +258,9 @@ class CostCalibrator:
     """Largest factor by which one refit may move a rate (``attn``, ``linear``, the all-to-all bandwidth): a guard
     against a corrupt measurement."""
     _rows: deque = field(default_factory=deque, init=False, repr=False)
+    _links_of: deque = field(default_factory=deque, init=False, repr=False)
+    """Per entry of ``_rows``, the ring links it timed once computed (``(key, intra, inter)``, ``key`` the ring
+    constants they were read with), else ``None``: each step is read once, not at every refit of its window."""
     _first_bandwidth: float = field(default=0.0, init=False, repr=False)
     _bandwidth: float = field(default=0.0, init=False, repr=False)
     refits: int = field(default=0, init=False)
@@ -289,8 +292,10 @@ class CostCalibrator:
         if c is not None and includes_comm:
             t = t - c  # the thread's own work; the communication is fitted from ``comm``
         self._rows.append((f[busy], t[busy], None if c is None else c[busy], bool(includes_comm and c is None)))
+        self._links_of.append(None)
         while len(self._rows) > self.window:
             self._rows.popleft()
+            self._links_of.popleft()
 
     def _system(self) -> tuple[np.ndarray, np.ndarray]:
         """Stacked equations ``a @ theta = b`` of the window, each row divided by its measured time."""
@@ -375,17 +380,22 @@ class CostCalibrator:
         rows whose communication was fitted (a time that includes it, or a separate measurement of it). A nested
         ring moves 1/u of the bytes per rank, mostly behind attention, and says little of a plain ring on the same
         link."""
-        timed = []
-        for f, _, c, joint in self._rows:
-            if joint:
-                timed.append(f)
-            elif c is not None:
-                timed.append(f[c > 0])
-        if not timed:
-            return False, False
-        rows = np.concatenate(timed)
-        links = np.where(rows[:, 5] > 0, 0, ring_links(cost, rows))
-        return bool((links == INTRA).any()), bool((links == INTER).any())
+        key = (
+            cost.ring_bytes_per_token,
+            cost.intra_node_ring_bandwidth,
+            cost.inter_node_bandwidth,
+            cost.ranks_per_node,
+        )
+        intra = inter = False
+        for i, (f, _, c, joint) in enumerate(self._rows):
+            known = self._links_of[i]
+            if known is None or known[0] != key:
+                rows = f if joint else f[c > 0] if c is not None else f[:0]
+                links = np.where(rows[:, 5] > 0, 0, ring_links(cost, rows))
+                known = (key, bool((links == INTRA).any()), bool((links == INTER).any()))
+                self._links_of[i] = known
+            intra, inter = intra or known[1], inter or known[2]
+        return intra, inter
 
     def _inseparable(self, gram: np.ndarray, free: np.ndarray) -> np.ndarray:
         """Refinements (:data:`REFINEMENTS`, in that order) among ``free`` whose normalised column lies within
@@ -430,6 +440,7 @@ class CostCalibrator:
         """Inverse of :meth:`state_dict` (a window saved with other features, or features computed another way, is
         dropped: it cannot be refitted with today's)."""
         self._rows = deque()
+        self._links_of = deque()
         if state.get("num_features") == NUM_FEATURES and state.get("feature_form", 1) == FEATURE_FORM:
             for f, t, c, joint in state["rows"]:
                 self._rows.append(
@@ -440,6 +451,7 @@ class CostCalibrator:
                         bool(joint),
                     )
                 )
+                self._links_of.append(None)
         self.refits = int(state.get("refits", 0))
         self.skipped = int(state.get("skipped", 0))
         self._first_bandwidth, self._bandwidth = (float(x) for x in state.get("bandwidths", (0.0, 0.0)))
