@@ -241,6 +241,75 @@ def test_mcore_fast_is_megatrons_placement(
         assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches, seed
 
 
+def test_mcore_fast_is_megatrons_placement_past_one_look_ahead(cost: CostModel) -> None:
+    """A batch of more sequences than one check for room covers (``_AHEAD``), planned into microbatches whose
+    tokens bind: the fast placement still makes exactly the baseline's plan."""
+    from lightning_hydra.planner.mcore import schedule_mcore
+    from lightning_hydra.planner.mcore_fast import _AHEAD, schedule_mcore_fast
+
+    lengths = make_batch("pareto", world_size=128, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=3)
+    assert lengths.size > _AHEAD
+    req = _request(lengths, cost, 128, 4096, 8)
+    assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches
+
+
+@pytest.mark.parametrize("world", [5, 6, 7, 12, 24])
+def test_mcore_fast_is_megatrons_placement_in_pools_that_are_not_a_power_of_two(world: int, cost: CostModel) -> None:
+    """Where the baseline's fill cannot double a group inside the pool (it then makes one group of the whole pool),
+    the fast placement makes the same plan."""
+    from lightning_hydra.planner.mcore import schedule_mcore
+    from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
+
+    rng = np.random.default_rng(world)
+    for _ in range(5):
+        lengths = rng.integers(1, 4 * 4096, size=int(rng.integers(1, 40)))
+        req = PlanRequest(
+            lengths=np.asarray(lengths, dtype=np.int64), num_microbatches=4, capacity=4096, cost=cost,
+            rules=DegreeRules(world_size=world, ranks_per_node=1, num_heads=32),
+        )  # fmt: skip
+        assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    groups=st.lists(st.sampled_from([1, 2, 4, 8, 16]), min_size=1, max_size=12),
+    world=st.integers(1, 80),
+)
+def test_the_fast_fill_is_megatrons_fill(groups: list[int], world: int) -> None:
+    """The fast placement's fill of the empty ranks (a heap of group sizes) ends where the baseline's group-by-group
+    doubling does, or fails where it does."""
+    from lightning_hydra.planner.mcore import _MB, _fill_once
+    from lightning_hydra.planner.mcore_fast import _fill
+
+    if sum(groups) > world:
+        return
+    sizes = [z for z in (1, 2, 4, 8, 16, 32, 64) if z <= world]
+    if any(z not in sizes for z in groups):
+        return
+    mb = _MB(world)
+    for g, z in enumerate(groups):
+        mb.add_group(z, (g, 1))
+    while mb.next_free < world and _fill_once(mb, sizes, world):
+        pass
+    filled = _fill(list(groups), sizes, world, sum(groups))
+    if mb.next_free < world:
+        assert filled is None
+    else:
+        assert filled == mb.sizes
+        assert mb.starts == np.cumsum([0, *filled[:-1]]).tolist()
+
+
+def test_the_fast_minimum_degrees_are_megatrons() -> None:
+    """Every sequence's minimum degree, computed for all at once, is the baseline's, zigzag padding included."""
+    from lightning_hydra.planner.mcore import _min_degree
+    from lightning_hydra.planner.mcore_fast import _min_degrees
+
+    for capacity in (1000, 4095, 4096, 8191, 16384):
+        lengths = np.arange(1, 300_000, 7, dtype=np.int64)
+        expected = [_min_degree(int(x), capacity) for x in lengths]
+        assert _min_degrees(lengths, capacity).tolist() == expected
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_deterministic_digest_within_process(policy: str, cost: CostModel) -> None:
     lengths = make_batch("stdlib", world_size=16, capacity=8192, num_microbatches=4, fill=0.75, context=65536, seed=7)
