@@ -697,6 +697,24 @@ def test_robustness_benchmark_draws_truths_and_shifts_the_batches(capsys):
         main([*args, "1", "--truths"])
 
 
+def test_robustness_benchmark_can_plan_mcore_without_whole_pool_scans(capsys):
+    """``--mcore-fast`` plans mcore's baseline with the placement without whole-pool scans: the same plans, so
+    every efficiency of the cell is the same; the cell says which planner made them."""
+    import json
+
+    from lightning_hydra.bench.robust import main, run_pool
+
+    args = ["--world-sizes", "64", "--contexts", "256K", "--distributions", "pareto", "--steps", "1"]
+    main([*args, "--evaluations", "1", "--truths", "share25", "--mcore-fast"])
+    fast = json.loads(capsys.readouterr().out.splitlines()[0])
+    slow = run_pool(64, "256K", "pareto", ["share25"], steps=1, evaluations=1)[0]
+    assert fast["mcore_planner"] == "mcore_fast" and "mcore_planner" not in slow
+    for key in ("uncalibrated", "calibrated"):
+        assert fast[key]["mcore"] == slow[key]["mcore"]
+        assert fast[key]["hydra_over_mcore"] == slow[key]["hydra_over_mcore"]
+    assert fast["calibrated"]["mcore_own_model"] == slow["calibrated"]["mcore_own_model"]
+
+
 def test_megatrons_plan_is_kept_unless_beaten_by_the_margin(monkeypatch):
     """Within the budget hydra keeps mcore's placement unless its pick is predicted MCORE_MARGIN faster: on a batch
     where the memory-driven formation is predicted 0.1% faster (a per-microbatch cost makes mcore's dense packing

@@ -50,6 +50,7 @@ from lightning_hydra.bench.schedule import CONTEXTS, LLAMA_8B, analytic_cost
 from lightning_hydra.planner import CostModel, DegreeRules, Plan, PlanRequest, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.planner.hydra import candidate_plans
+from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.sim.ceiling import efficiency_ceiling
 from lightning_hydra.sim.family import DEVICE_TRUTHS, RANDOM_PREFIX, TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
@@ -111,6 +112,18 @@ def _plan(
     return plan, 1e3 * (time.perf_counter() - start)
 
 
+def _mcore_fast(
+    lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8,
+    model: ModelShape = LLAMA_8B,
+) -> tuple[Plan, float]:  # fmt: skip
+    """mcore's plan of ``lengths`` as :func:`_plan` makes it, by the placement without whole-pool scans."""
+    req = _request(lengths, cost, world, context, microbatches, model)
+    start = time.perf_counter()
+    plan = schedule_mcore_fast(req)
+    assert plan is not None  # only a ``stop`` abandons it
+    return plan, 1e3 * (time.perf_counter() - start)
+
+
 def _request(
     lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8,
     model: ModelShape = LLAMA_8B,
@@ -166,18 +179,25 @@ def _closed_loop(
 
 def run_pool(
     world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int, fill: float = 0.75,
-    microbatches: int = 8, model: ModelShape = LLAMA_8B, seed_offset: int = 0,
+    microbatches: int = 8, model: ModelShape = LLAMA_8B, seed_offset: int = 0, mcore_fast: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every truth's cell for one pool, context and distribution (baselines planned once); batches hold ``fill`` of
     the pool's tokens over ``microbatches`` microbatches; ``model`` is planned and timed; the evaluation batches'
-    seeds are ``1000 + seed_offset`` on, the closed loop's ``2000 + seed_offset`` on."""
+    seeds are ``1000 + seed_offset`` on, the closed loop's ``2000 + seed_offset`` on. ``mcore_fast``: mcore's plan
+    is made by :func:`~lightning_hydra.planner.mcore_fast.schedule_mcore_fast` (the same plan, without the
+    baseline's whole-pool scans, which take hours on 2,048-rank batches of 70,000 sequences); its ``schedule_ms``
+    is then that placement's."""
     mbs = microbatches
     held_out = _batches(dist, world, context, range(1000 + seed_offset, 1000 + seed_offset + evaluations), fill, mbs)
     loop = _batches(dist, world, context, range(2000 + seed_offset, 2000 + seed_offset + steps), fill, mbs)
     analytic = analytic_cost(model)
     fixed = {
-        p: [_plan(b, p, analytic, world, context, mbs, model) for b in held_out] for p in ("mcore", "static", "hydra")
+        p: [_plan(b, p, analytic, world, context, mbs, model) for b in held_out]
+        for p in ("mcore", "static", "hydra")
+        if p != "mcore" or not mcore_fast
     }
+    if mcore_fast:
+        fixed["mcore"] = [_mcore_fast(b, analytic, world, context, mbs, model) for b in held_out]
     cells = []
     for name in truths:
         hw = truth(name, model.num_layers)
@@ -190,6 +210,8 @@ def run_pool(
             cell["model"] = next((key for key, shape in MODELS.items() if shape == model), str(model))
         if seed_offset:
             cell["seed_offset"] = seed_offset
+        if mcore_fast:
+            cell["mcore_planner"] = "mcore_fast"
         eff = {p: statistics.fmean(efficiency(plan, hw, model)[0] for plan, _ in runs) for p, runs in fixed.items()}
         cell["uncalibrated"] = {
             **{p: round(v, 4) for p, v in eff.items()},
@@ -355,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches each batch is planned into")
     parser.add_argument("--model", default="llama3-8b", choices=list(MODELS), help="the model planned and timed")
     parser.add_argument("--markdown", default=None, help="write the README tables to this file")
+    parser.add_argument(
+        "--mcore-fast", action="store_true",
+        help="plan mcore's baseline without its whole-pool scans (the same plan; for 2,048-rank batches of 70,000 "
+        "sequences, where the scans take hours)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not 0 < args.fill <= 1:
         parser.error(f"--fill must be in (0, 1], got {args.fill}")
@@ -375,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells += run_pool(
                     world, context, dist, truths, steps=args.steps, evaluations=evaluations, fill=args.fill,
                     microbatches=args.microbatches, model=MODELS[args.model], seed_offset=args.seed_offset,
+                    mcore_fast=args.mcore_fast,
                 )  # fmt: skip
     summary = {"summary": summarize(cells), "seconds": round(time.perf_counter() - start, 1), "load": os.getloadavg()}
     print(json.dumps(summary), flush=True)
