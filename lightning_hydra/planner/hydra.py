@@ -64,24 +64,32 @@ what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); 
 batches, whose planning time they would double."""
 MCORE_BUDGET = 32768
 """Largest ``sequences * sqrt(ranks)`` for which Megatron's own placement is also a candidate, computed by
-:mod:`lightning_hydra.planner.mcore_fast` (the baseline's plan without its whole-pool scans; it still costs one
-vector expression over the groups per sequence placed, about 1.6 us per unit of that product here: 40 ms for 1,100
-sequences on 512 ranks, 0.6 s for 8,900, 2.4 s for 36,000 on 2,048). Where the truth charges every microbatch a
+:mod:`lightning_hydra.planner.mcore_fast` (the baseline's plan without its whole-pool scans; it still costs a
+few vector expressions per sequence placed, 0.4-0.7 us per unit of that product at 512 and 2,048 ranks: 0.13 s for
+8,800 sequences on 512 ranks, 0.6 s for 35,600 on 2,048, measured while two benchmarks shared this machine's two
+cores). Where the truth charges every microbatch a
 fixed cost (GEMMs below peak, launches) and tokens bind (32K contexts), Megatron's dense first-fit packing can beat
 every load-driven formation; within the budget hydra is never predicted worse than it. A run that plans ahead of
 its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, ``PlannerConfig.mcore_budget``).
 Where hydra's own choice is the memory-driven formation or within :data:`MCORE_REACH` of it,
 :data:`MCORE_BUDGET_MEMORY` applies instead."""
-MCORE_BUDGET_MEMORY = 524288
+MCORE_BUDGET_MEMORY = 4194304
 """The budget for Megatron's placement where, without it, hydra would choose its memory-driven formation or a
 candidate predicted less than :data:`MCORE_REACH` faster than it: Megatron's first fit places the same degrees
 (each sequence where the projected maximum is lowest) and balances ranks full of short sequences better than
 hydra's level-driven placement. Measured at 512 ranks and 32K contexts where tokens bind (80-90% of the pool's
 token room; lognormal and Pareto lengths, base and ``worst`` truths): its plan was 0.5-2.2% faster than the best
 hydra formation and up to 3.8% faster than hydra's choice under the truths after calibration, and hydra's own
-calibrated model said so. Up to this bound (512 ranks: about 23,000 sequences; 2,048: 11,500) hydra pays for it,
-about 1.3 us per unit (0.3 s for 10,900 sequences on 512 ranks), which :class:`~lightning_hydra.HydraDataModule`
-hides behind the step that trains while the next is planned (``plan_ahead``). A batch where a load-driven
+calibrated model said so. The same held at 2,048 ranks x 32K, where the budget was 524,288 (11,500 sequences):
+under drawn truths whose GEMMs reach half their efficiency only at 2-4K tokens (a large fixed cost per
+microbatch) hydra's choice was up to 7.5% slower than Megatron's plan in 21 of 40 truths on lognormal batches of
+36,000 sequences and 21 of 40 on Pareto batches of 76,000, and under the grid's truths at 90% fill in all 20
+cells, its calibrated model agreeing in 19, 21 and 20 of them; with this bound none is (``bench.robust --truths
+--random-truths 40 --seed-offset 5000 --world-sizes 2048 --contexts 32K --mcore-fast``, ``bench.robust
+--world-sizes 2048 --contexts 32K --fill 0.9 --mcore-fast``). Up to this bound (512 ranks: about 185,000
+sequences; 2,048: 92,000; 4,096: 65,000) hydra pays for it, 0.4-0.7 us per unit (above), which
+:class:`~lightning_hydra.HydraDataModule` hides behind the step that trains while the next is planned
+(``plan_ahead``); it stops once a bound shows Megatron's plan cannot change the choice. A batch where a load-driven
 formation wins by more than :data:`MCORE_REACH` never pays it. An explicit ``mcore_budget`` replaces both
 budgets."""
 
