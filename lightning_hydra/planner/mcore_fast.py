@@ -48,19 +48,15 @@ def _one_microbatch(
     cap = float(seqs[0][1]) * float(capacity) * (1.0 + CAP_DELTA)
     n_sizes = len(sizes)
     size_arr = np.asarray(sizes, dtype=np.int64)
-    # every group in creation order (for the fill and the hopeless check) and, per size, its groups' loads and
-    # tokens in creation order (the scans read only the sizes a sequence may take, without gathers)
-    g_size = np.zeros(world_size, dtype=np.int64)
-    g_load = np.zeros(world_size)
-    g_packed = np.zeros(world_size, dtype=np.int64)
-    c_group = [np.zeros(world_size // z, dtype=np.int64) for z in sizes]  # the groups of each size
+    # per size, its groups (numbered in creation order), their loads and tokens (the scans read only the sizes a
+    # sequence may take, without gathers); the fill reads them back in creation order
+    c_group = [np.zeros(world_size // z, dtype=np.int64) for z in sizes]
     c_load = [np.zeros(world_size // z) for z in sizes]
     c_packed = [np.zeros(world_size // z, dtype=np.int64) for z in sizes]
     c_count = [0] * n_sizes
     # per size, the least tokens and load of its groups: a size none of whose groups has room is skipped unread
     low_packed = [capacity + 1] * n_sizes
     low_load = [np.inf] * n_sizes
-    starts: list[int] = []
     members: list[list[tuple[int, int]]] = []
     count = 0
     next_free = 0
@@ -70,12 +66,10 @@ def _one_microbatch(
         nonlocal count, next_free, top
         size = sizes[k]
         load, packed = seq[1] * seq[1] / size, shard_tokens(seq[1], size)
-        g_size[count], g_load[count], g_packed[count] = size, load, packed
         j = c_count[k]
         c_group[k][j], c_load[k][j], c_packed[k][j] = count, load, packed
         c_count[k] = j + 1
         low_packed[k], low_load[k] = min(low_packed[k], packed), min(low_load[k], load)
-        starts.append(next_free)
         members.append([seq])
         top = max(top, load)
         count += 1
@@ -90,9 +84,7 @@ def _one_microbatch(
             low_packed[k] = int(c_packed[k][: c_count[k]].min())
         if was_low[1]:
             low_load[k] = float(c_load[k][: c_count[k]].min())
-        g = int(c_group[k][j])
-        g_load[g], g_packed[g] = c_load[k][j], c_packed[k][j]
-        members[g].append(seq)
+        members[int(c_group[k][j])].append(seq)
         top = max(top, float(c_load[k][j]))
 
     first = seqs[0]
@@ -177,20 +169,36 @@ def _one_microbatch(
         else:
             add_group(best_k, seq)
 
-    filled = _fill(g_size[:count].tolist(), sizes, world_size, next_free)
+    # every group's size, load and tokens in creation order (groups sit contiguously in that order)
+    g_size = np.empty(count, dtype=np.int64)
+    g_load = np.empty(count)
+    g_packed = np.empty(count, dtype=np.int64)
+    for k in range(n_sizes):
+        made = c_group[k][: c_count[k]]
+        g_size[made] = sizes[k]
+        g_load[made] = c_load[k][: c_count[k]]
+        g_packed[made] = c_packed[k][: c_count[k]]
+    group_sizes = g_size.tolist()
+    filled = _fill(group_sizes, sizes, world_size, next_free)
     if filled is not None:
-        firsts = np.cumsum([0, *filled[:-1]]).tolist()  # contiguous in creation order
-        return [(s, z, [i for i, _ in q]) for s, z, q in zip(firsts, filled, members, strict=True)], leftovers
+        return [(s, z, [i for i, _ in q]) for s, z, q in zip(_starts(filled), filled, members, strict=True)], leftovers
     # the baseline's fill on its own state (it ends in one group of the whole pool)
     mb = _MB(world_size)
-    for g in range(count):
-        mb.starts.append(starts[g])
-        mb.sizes.append(int(g_size[g]))
-        mb.packed.append(int(g_packed[g]))
-        mb.seqs.append(members[g])
-        mb.exec[starts[g] : starts[g] + int(g_size[g])] = g_load[g]
+    for start, size, packed, load, group_seqs in zip(
+        _starts(group_sizes), group_sizes, g_packed.tolist(), g_load.tolist(), members, strict=True
+    ):
+        mb.starts.append(start)
+        mb.sizes.append(size)
+        mb.packed.append(packed)
+        mb.seqs.append(group_seqs)
+        mb.exec[start : start + size] = load
     mb.next_free = next_free
     return _finish(mb, seqs, leftovers, sizes, world_size, capacity)
+
+
+def _starts(group_sizes: list[int]) -> list[int]:
+    """First rank of each group: groups take the lowest free ranks in creation order, so the running sum."""
+    return np.cumsum([0, *group_sizes[:-1]]).tolist()
 
 
 def _min_degrees(lengths: np.ndarray, capacity: int) -> np.ndarray:
