@@ -100,27 +100,22 @@ def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> 
 
 def _plan(
     lengths: np.ndarray, policy: str, cost: CostModel, world: int, context: str, microbatches: int = 8,
-    model: ModelShape = LLAMA_8B,
+    model: ModelShape = LLAMA_8B, mcore_fast: bool = False,
 ) -> tuple[Plan, float]:  # fmt: skip
+    """The plan of ``policy`` and its planning milliseconds; with ``mcore_fast`` mcore's plan is made by
+    :func:`~lightning_hydra.planner.mcore_fast.schedule_mcore_fast` on the same request (the same plan, without the
+    baseline's whole-pool scans)."""
     longest, capacity = CONTEXTS[context]
     start = time.perf_counter()
-    plan = schedule(
-        lengths, world_size=world, num_microbatches=microbatches, max_tokens_per_rank=capacity, cost=cost,
-        policy=policy, ranks_per_node=8, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-        max_seq_len=longest,
-    )  # fmt: skip
-    return plan, 1e3 * (time.perf_counter() - start)
-
-
-def _mcore_fast(
-    lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8,
-    model: ModelShape = LLAMA_8B,
-) -> tuple[Plan, float]:  # fmt: skip
-    """mcore's plan of ``lengths`` as :func:`_plan` makes it, by the placement without whole-pool scans."""
-    req = _request(lengths, cost, world, context, microbatches, model)
-    start = time.perf_counter()
-    plan = schedule_mcore_fast(req)
-    assert plan is not None  # only a ``stop`` abandons it
+    if policy == "mcore" and mcore_fast:
+        plan = schedule_mcore_fast(_request(lengths, cost, world, context, microbatches, model))
+        assert plan is not None  # only a ``stop`` abandons it
+    else:
+        plan = schedule(
+            lengths, world_size=world, num_microbatches=microbatches, max_tokens_per_rank=capacity, cost=cost,
+            policy=policy, ranks_per_node=8, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+            max_seq_len=longest,
+        )  # fmt: skip
     return plan, 1e3 * (time.perf_counter() - start)
 
 
@@ -192,12 +187,9 @@ def run_pool(
     loop = _batches(dist, world, context, range(2000 + seed_offset, 2000 + seed_offset + steps), fill, mbs)
     analytic = analytic_cost(model)
     fixed = {
-        p: [_plan(b, p, analytic, world, context, mbs, model) for b in held_out]
+        p: [_plan(b, p, analytic, world, context, mbs, model, mcore_fast) for b in held_out]
         for p in ("mcore", "static", "hydra")
-        if p != "mcore" or not mcore_fast
     }
-    if mcore_fast:
-        fixed["mcore"] = [_mcore_fast(b, analytic, world, context, mbs, model) for b in held_out]
     cells = []
     for name in truths:
         hw = truth(name, model.num_layers)
