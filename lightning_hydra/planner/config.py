@@ -39,10 +39,10 @@ class PlannerConfig:
     maxima and at least as many microbatches as asked."""
     mcore_budget: float | None = None
     """Largest ``sequences * sqrt(ranks)`` for which ``hydra`` also forms Megatron's placement as a candidate (and
-    is then never predicted worse than it); ``None``: the defaults (about 50 ms of planning; where hydra's choice
-    would otherwise be its memory-driven formation or within ``hydra.MCORE_REACH`` of it up to
-    ``hydra.MCORE_BUDGET_MEMORY``: 1.2 s for 74,000 sequences on 2,048 ranks formed whole, less where a bound stops
-    it), ``0``: never."""
+    is then never predicted worse than it); ``None``: the defaults (``hydra.MCORE_BUDGET``, small batches; where
+    hydra's choice would otherwise be its memory-driven formation or within ``hydra.MCORE_REACH`` of it up to
+    ``hydra.MCORE_BUDGET_MEMORY``, where forming it whole takes up to 4.4x hydra's plan without it, 2,048 ranks x
+    74,000 sequences, less where a bound stops it), ``0``: never."""
 
     def schedule(
         self,

@@ -65,9 +65,10 @@ batches, whose planning time they would double."""
 MCORE_BUDGET = 32768
 """Largest ``sequences * sqrt(ranks)`` for which Megatron's own placement is also a candidate, computed by
 :mod:`lightning_hydra.planner.mcore_fast` (the baseline's plan without its whole-pool scans; it still costs a
-few vector expressions per sequence placed, 0.4-0.7 us per unit of that product at 512 and 2,048 ranks: 0.13 s for
-8,800 sequences on 512 ranks, 0.6 s for 35,600 on 2,048, measured while two benchmarks shared this machine's two
-cores). Where the truth charges every microbatch a
+few vector expressions per sequence placed, 0.3-0.7 us per unit of that product at 512 and 2,048 ranks; formed
+whole it takes 2.2x the CPU time of hydra's plan without it on 512 ranks x 8,800 sequences, 3.2x on 2,048 x 35,600
+and 4.4x on 2,048 x 73,900, one run alternating the two, fastest of three). Where the truth charges every
+microbatch a
 fixed cost (GEMMs below peak, launches) and tokens bind (32K contexts), Megatron's dense first-fit packing can beat
 every load-driven formation; within the budget hydra is never predicted worse than it. A run that plans ahead of
 its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, ``PlannerConfig.mcore_budget``).
@@ -87,7 +88,7 @@ microbatch) hydra's choice was up to 7.5% slower than Megatron's plan in 21 of 4
 cells, its calibrated model agreeing in 19, 21 and 20 of them; with this bound none is (``bench.robust --truths
 --random-truths 40 --seed-offset 5000 --world-sizes 2048 --contexts 32K --mcore-fast``, ``bench.robust
 --world-sizes 2048 --contexts 32K --fill 0.9 --mcore-fast``). Up to this bound (512 ranks: about 185,000
-sequences; 2,048: 92,000; 4,096: 65,000) hydra pays for it, 0.4-0.7 us per unit (above), which
+sequences; 2,048: 92,000; 4,096: 65,000) hydra pays for it (above), which
 :class:`~lightning_hydra.HydraDataModule` hides behind the step that trains while the next is planned
 (``plan_ahead``); it stops once a bound shows Megatron's plan cannot change the choice. A batch where a load-driven
 formation wins by more than :data:`MCORE_REACH` never pays it. An explicit ``mcore_budget`` replaces both
