@@ -242,14 +242,15 @@ def test_mcore_fast_is_megatrons_placement(
         assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches, seed
 
 
-def test_mcore_fast_is_megatrons_placement_past_one_look_ahead(cost: CostModel) -> None:
-    """A batch of more sequences than one check for room covers (``_AHEAD``), planned into microbatches whose
-    tokens bind: the fast placement still makes exactly the baseline's plan."""
+def test_mcore_fast_is_megatrons_placement_where_tokens_bind(cost: CostModel) -> None:
+    """A batch of thousands of sequences, many of equal length, planned into microbatches whose tokens bind: most
+    waiting sequences fit nowhere at some point (the fast placement skips runs of equal lengths and finds the next
+    that fits by its check for room), and the plan is exactly the baseline's."""
     from lightning_hydra.planner.mcore import schedule_mcore
-    from lightning_hydra.planner.mcore_fast import _AHEAD, schedule_mcore_fast
+    from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 
     lengths = make_batch("pareto", world_size=128, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=3)
-    assert lengths.size > _AHEAD
+    assert lengths.size > 4096 and np.unique(lengths).size < lengths.size / 2
     req = _request(lengths, cost, 128, 4096, 8)
     assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches
 
@@ -510,7 +511,7 @@ def test_where_the_memory_driven_formation_wins_megatrons_plan_joins_up_to_the_l
     assert without.stats["candidate"] == "pow2/memory" and "span/mcore" not in without.stats
     stopped = _run(full, "hydra", cost, **kw)
     with monkeypatch.context() as m:
-        m.setattr(Hopeless, "__call__", lambda self, groups, pending: False)
+        m.setattr(Hopeless, "__call__", lambda self, groups, waiting: False)
         plan = _run(full, "hydra", cost, **kw)
     assert stopped.microbatches == plan.microbatches
     mcore = _run(full, "mcore", cost, **kw)
@@ -593,8 +594,8 @@ def test_megatrons_placement_stops_once_it_cannot_change_the_choice(monkeypatch,
     stopped = _run(lengths, "hydra", cost, **kw)
     bounds: list[np.ndarray] = []
 
-    def record(self, groups, pending):  # the whole placement, its bound after every microbatch
-        bounds.append(self.bound(groups, pending))
+    def record(self, groups, waiting):  # the whole placement, its bound after every microbatch
+        bounds.append(self.bound(groups, waiting))
         return False
 
     with monkeypatch.context() as m:
@@ -614,8 +615,8 @@ def test_megatrons_placement_stops_once_it_cannot_change_the_choice(monkeypatch,
     scored = [Scored("a", np.ones(len(models)), True)]
     never = Hopeless(req, ensemble(cost.replace(seq_overhead=-1e-9)), np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)
     groups = mcore.microbatches[0]
-    assert not never(groups, [(i, int(lengths[i])) for i in range(lengths.size)])
-    assert Hopeless(req, models, np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)(groups, [])
+    assert not never(groups, np.arange(lengths.size))
+    assert Hopeless(req, models, np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)(groups, np.zeros(0, np.int64))
 
 
 @pytest.mark.parametrize(

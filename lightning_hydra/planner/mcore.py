@@ -21,7 +21,6 @@ this baseline are faster than Megatron's own.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.plan import Group, Plan, PlanError
 from lightning_hydra.planner.request import PlanRequest
 
-__all__ = ["Stop", "megatron_min_degree", "schedule_mcore"]
+__all__ = ["megatron_min_degree", "schedule_mcore"]
 
 CAP_DELTA = 0.05
 """Megatron's workload cap: candidates may exceed the tallest sequence's per-rank load by 5%."""
@@ -174,29 +173,10 @@ def _finish(
 
 def schedule_mcore(req: PlanRequest) -> Plan:
     """Megatron-Core Dynamic-CP placement; makes as many microbatches as its packing needs."""
-    plan = _microbatches(req, lambda pending, sizes: _one_microbatch(pending, sizes, req.world_size, req.capacity))
-    assert plan is not None  # only a ``stop`` abandons the placement
-    return plan
-
-
-_Formed = tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]
-
-Stop = Callable[[list[Group], list[tuple[int, int]]], bool]
-"""Called after each microbatch with its groups and the ``(id, length)`` pairs still waiting; ``True`` abandons the
-placement (:class:`~lightning_hydra.planner.mcore_bound.Hopeless`)."""
-
-
-def _microbatches(
-    req: PlanRequest, one_microbatch: Callable[[list[tuple[int, int]], list[int]], _Formed], stop: Stop | None = None
-) -> Plan | None:
-    """Megatron's outer loop: microbatches formed by ``one_microbatch(pending, sizes)`` (its groups ``(start, size,
-    ids)`` and the sequences that wait) until no sequence waits; ``None`` where ``stop`` abandons it."""
     sizes = req.rules.degrees()
     pending = [(i, int(length)) for i, length in enumerate(req.lengths)]
     microbatches: list[list[Group]] = []
     while pending:
-        groups, pending = one_microbatch(pending, sizes)
+        groups, pending = _one_microbatch(pending, sizes, req.world_size, req.capacity)
         microbatches.append([req.group(start, size, ids) for start, size, ids in groups])
-        if stop is not None and pending and stop(microbatches[-1], pending):
-            return None
     return req.plan(microbatches, "mcore")

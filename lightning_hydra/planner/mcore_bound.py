@@ -19,7 +19,7 @@ import numpy as np
 
 from lightning_hydra.planner.calibration import FITTED
 from lightning_hydra.planner.cost import CostModel
-from lightning_hydra.planner.mcore import megatron_min_degree
+from lightning_hydra.planner.mcore_fast import _min_degrees
 from lightning_hydra.planner.plan import Group, group_arrays
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import Scored, spans_of
@@ -72,8 +72,7 @@ class Hopeless:
         self._models = models
         self._lengths = np.asarray(req.lengths, dtype=np.int64)
         lens = self._lengths.astype(np.float64)
-        unique, index = np.unique(self._lengths, return_inverse=True)
-        degree = np.array([megatron_min_degree(int(x), req.capacity) for x in unique], dtype=np.float64)[index]
+        degree = _min_degrees(self._lengths, req.capacity).astype(np.float64)
         # per sequence, summed over its ranks at the memory-driven degree: sum L^2, L, ranks, L * ranks (the
         # factors of attn, linear, seq_overhead and length_overhead)
         self._compute = np.stack([lens * lens, lens, degree, lens * degree], axis=1)
@@ -82,19 +81,18 @@ class Hopeless:
         self._top = np.zeros(len(models))
         self._sound = all(float(getattr(m, name)) >= 0.0 for m in models for name in _TERMS)
 
-    def bound(self, groups: list[Group], pending: list[tuple[int, int]]) -> np.ndarray:
+    def bound(self, groups: list[Group], waiting: np.ndarray) -> np.ndarray:
         """Add the microbatch of ``groups`` and return each model's lower bound on the whole placement's span, the
-        ``(id, length)`` pairs of ``pending`` still to be placed."""
+        sequences of ids ``waiting`` still to be placed."""
         start, u, r, seq, gid = group_arrays(groups)
         crosses = self._req.cost.crossing(start, u * r)
         mb = np.zeros(len(groups), dtype=np.int64)
         tops = spans_of(self._models, self._lengths, mb, u, r, seq, gid, 1, 1, crosses)
         self._formed += tops
         self._top = np.maximum(self._top, tops)
-        waiting = np.fromiter((i for i, _ in pending), dtype=np.int64, count=len(pending))
         rest = self._rates @ self._compute[waiting].sum(axis=0) / self._req.world_size
         return self._formed + (self._req.pipeline_stages - 1) * self._top + rest
 
-    def __call__(self, groups: list[Group], pending: list[tuple[int, int]]) -> bool:
+    def __call__(self, groups: list[Group], waiting: np.ndarray) -> bool:
         """Whether, with the microbatch of ``groups`` formed, the bound clears every model's limit."""
-        return bool((self.bound(groups, pending) > self.limit).all()) and self._sound
+        return bool((self.bound(groups, waiting) > self.limit).all()) and self._sound
