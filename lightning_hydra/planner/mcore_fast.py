@@ -75,7 +75,11 @@ class _Batch:
         self.shards = shard_tokens(lens[:, None], size_arr[None, :])
         """Zigzag shard ``[position, size]``."""
         self.costs = (lens * lens)[:, None] / size_arr[None, :]
-        """Megatron's load ``L * L / size`` ``[position, size]``: the same division as the placement's."""
+        """Megatron's load ``L * L / size`` ``[position, size]`` (the baseline's division of the same integers: the
+        same floats)."""
+        self.caps: list[float] = (lens.astype(np.float64) * float(req.capacity) * (1.0 + CAP_DELTA)).tolist()
+        """Megatron's cap on the load of a microbatch whose longest sequence is at each position: its length times
+        the capacity, plus :data:`~lightning_hydra.planner.mcore.CAP_DELTA`."""
         self.klo: list[int] = np.searchsorted(size_arr, _min_degrees(lens, req.capacity)).tolist()
         """Index of the smallest size each sequence may take."""
         self.allowed = np.arange(len(sizes))[None, :] >= np.asarray(self.klo, dtype=np.int64)[:, None]
@@ -91,7 +95,7 @@ def _one_microbatch(
     and the positions that wait."""
     n = pend.size
     pos = pend.tolist()
-    cap = float(b.lens[pos[0]]) * float(capacity) * (1.0 + CAP_DELTA)
+    cap = b.caps[pos[0]]
     n_sizes = len(sizes)
     size_arr = np.asarray(sizes, dtype=np.int64)
     # per size, its groups (numbered in creation order), their loads and tokens (the scans read only the sizes a
@@ -111,7 +115,7 @@ def _one_microbatch(
     def add_group(k: int, p: int) -> None:
         nonlocal count, next_free, top
         size = sizes[k]
-        load, packed = b.lens[p] * b.lens[p] / size, int(b.shards[p, k])
+        load, packed = float(b.costs[p, k]), int(b.shards[p, k])
         j = c_count[k]
         c_group[k][j], c_load[k][j], c_packed[k][j] = count, load, packed
         c_count[k] = j + 1
@@ -185,8 +189,7 @@ def _one_microbatch(
             if i >= n:
                 break
         p = pos[i]
-        length = b.lens[p]
-        square = length * length
+        costs = b.costs[p].tolist()
         klo = b.klo[p]
         shards = b.shards[p].tolist()
         free = world_size - next_free
@@ -194,11 +197,11 @@ def _one_microbatch(
             # the common case first: a candidate that leaves the maximum at ``top`` (every projection is at least
             # ``top``, so one that equals it is a minimum); the first in Megatron's order among them wins: sizes
             # ascending, groups of a size in creation order, a new group after them
-            kn = next((k for k in range(klo, n_sizes) if sizes[k] <= free and square / sizes[k] <= top), n_sizes)
+            kn = next((k for k in range(klo, n_sizes) if sizes[k] <= free and costs[k] <= top), n_sizes)
             done = False
             for k in range(klo, min(kn + 1, n_sizes)):
                 n_k = c_count[k]
-                cost = square / sizes[k]  # the baseline's division: the same loads, the same comparisons
+                cost = costs[k]
                 if not n_k or low_packed[k] > capacity - shards[k] or low_load[k] + cost > top:
                     continue
                 fit = (c_load[k][:n_k] + cost <= top) & (c_packed[k][:n_k] <= capacity - shards[k])
@@ -218,7 +221,7 @@ def _one_microbatch(
         # and new groups on free ranks; the first in Megatron's order at it wins
         best_p, best_k, best_j = np.inf, n_sizes, -1
         for k in range(klo, n_sizes):
-            cost = square / sizes[k]
+            cost = costs[k]
             n_k = c_count[k]
             if n_k and low_packed[k] <= capacity - shards[k] and max(top, low_load[k] + cost) <= cap:
                 proj = np.maximum(top, c_load[k][:n_k] + cost)
@@ -239,7 +242,7 @@ def _one_microbatch(
         i, misses = i + 1, 0
         placed[i - 1] = True
         if best_j >= 0:
-            add_to(best_k, best_j, p, square / sizes[best_k], shards[best_k])
+            add_to(best_k, best_j, p, costs[best_k], shards[best_k])
         else:
             add_group(best_k, p)
 
