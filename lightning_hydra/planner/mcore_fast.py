@@ -32,6 +32,7 @@ replaced, the same plans take 0.27-0.44x the CPU time (64 to 2,048 ranks, 2,600 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable
 
@@ -178,8 +179,7 @@ def _one_microbatch(
             lo, hi = (int(at[j - 1]) + 1, int(at[j])) if j else (int(at[0]), int(at[0]))
         return lo
 
-    first = pos[0]
-    add_group(max(b.klo[first], int(np.searchsorted(size_arr, sizes[0]))), first)
+    add_group(b.klo[pos[0]], pos[0])  # the longest, alone at its smallest size
     placed = np.zeros(n, dtype=bool)
     placed[0] = True
     i, misses = 1, 0
@@ -237,7 +237,7 @@ def _one_microbatch(
         if best_k == n_sizes:
             # it fits nowhere now, nor will any sequence as long (the same shards, loads and sizes): on to the next
             # shorter one
-            i, misses = int(np.searchsorted(pend, b.shorter[p])), misses + 1
+            i, misses = bisect.bisect_left(pos, b.shorter[p], i + 1), misses + 1
             continue
         i, misses = i + 1, 0
         placed[i - 1] = True
