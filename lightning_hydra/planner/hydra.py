@@ -65,9 +65,9 @@ batches, whose planning time they would double."""
 MCORE_BUDGET = 32768
 """Largest ``sequences * sqrt(ranks)`` for which Megatron's own placement is also a candidate, computed by
 :mod:`lightning_hydra.planner.mcore_fast` (the baseline's plan without its whole-pool scans; it still costs a
-few vector expressions per sequence placed, 0.3-0.7 us per unit of that product at 512 and 2,048 ranks; formed
-whole it takes 2.2x the CPU time of hydra's plan without it on 512 ranks x 8,800 sequences, 3.2x on 2,048 x 35,600
-and 4.4x on 2,048 x 73,900, one run alternating the two, fastest of three). Where the truth charges every
+few vector expressions per sequence placed, 0.26-0.55 us per unit of that product at 512 and 2,048 ranks; formed
+whole it takes 1.85x the CPU time of hydra's plan without it on 512 ranks x 9,000 sequences, 2.3x on 2,048 x 36,000
+and 3.3x on 2,048 x 74,000, one run alternating the two, fastest of three). Where the truth charges every
 microbatch a
 fixed cost (GEMMs below peak, launches) and tokens bind (32K contexts), Megatron's dense first-fit packing can beat
 every load-driven formation; within the budget hydra is never predicted worse than it. A run that plans ahead of

@@ -20,14 +20,9 @@ sequence as long (skipped at once), and after :data:`_MISSES` of those an exact 
 load among the groups with room for each shard, by a sort of their tokens) finds the next waiting sequence that fits
 by galloping from the current one, or ends the microbatch where the shortest fits nowhere. Against the scan of
 every waiting sequence this replaced (one at a time, with a vector check for room after 16 misses), the same plans
-take 0.49-0.74x the CPU time as hydra forms them at 2,048 ranks (stopped after two to four microbatches, 18,000 to
-74,000 sequences) and 0.57-0.90x formed whole (fastest of two runs each, one after the other).
-
-Filling the empty ranks doubles the first smallest group until none is empty, as the baseline does, with a heap
-of group sizes instead of a scan and a shift of every group per doubling (:func:`_fill`); where that cannot fill the
-pool the baseline's own code makes its fallback. Against the vector expressions over every group that this
-replaced, the same plans take 0.27-0.44x the CPU time (64 to 2,048 ranks, 2,600 to 37,400 sequences; 2,048 ranks x
-35,600 sequences: 0.33x; the two alternating in one process, fastest of three each).
+take 0.48-0.83x the CPU time as hydra forms and stops them (two to four microbatches; 512 and 2,048 ranks, 4,500 to
+74,000 sequences) and 0.65-1.12x formed whole (64 to 2,048 ranks, 600 to 74,000 sequences; the smallest batch pays
+for the tables computed up front); fastest of three and two runs, one version after the other.
 """
 
 from __future__ import annotations
