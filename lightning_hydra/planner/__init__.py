@@ -74,9 +74,10 @@ def schedule(
         pipeline_stages: Stages the microbatches flow through (1F1B); ``hydra`` then scores plans by the pipeline's
             step time, not the sum of microbatch maxima alone.
         mcore_budget: Largest ``sequences * sqrt(world_size)`` for which ``hydra`` also forms Megatron's placement
-            as a candidate (never predicted worse than it then; formed whole, 2-4x hydra's plan without it); ``None``:
-            the defaults (:data:`lightning_hydra.planner.hydra.MCORE_BUDGET`, and ``MCORE_BUDGET_MEMORY`` where hydra's
-            choice would otherwise be its memory-driven formation or within ``MCORE_REACH`` of it), ``0``: never.
+            as a candidate (never predicted worse than it then; formed whole, 1.8-3.3x hydra's plan without it);
+            ``None``: the defaults (:data:`lightning_hydra.planner.hydra.MCORE_BUDGET`, and ``MCORE_BUDGET_MEMORY``
+            where hydra's choice would otherwise be its memory-driven formation or within ``MCORE_REACH`` of it),
+            ``0``: never.
 
     Returns:
         The plan; it has passed :meth:`Plan.check`.

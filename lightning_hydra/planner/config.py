@@ -41,7 +41,7 @@ class PlannerConfig:
     """Largest ``sequences * sqrt(ranks)`` for which ``hydra`` also forms Megatron's placement as a candidate (and
     is then never predicted worse than it); ``None``: the defaults (``hydra.MCORE_BUDGET``, small batches; where
     hydra's choice would otherwise be its memory-driven formation or within ``hydra.MCORE_REACH`` of it up to
-    ``hydra.MCORE_BUDGET_MEMORY``, where forming it whole takes up to 4.4x hydra's plan without it, 2,048 ranks x
+    ``hydra.MCORE_BUDGET_MEMORY``, where forming it whole takes up to 3.3x hydra's plan without it, 2,048 ranks x
     74,000 sequences, less where a bound stops it), ``0``: never."""
 
     def schedule(

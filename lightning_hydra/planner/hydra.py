@@ -74,7 +74,7 @@ every load-driven formation; within the budget hydra is never predicted worse th
 its steps with time to spare can raise it (``schedule(..., mcore_budget=...)``, ``PlannerConfig.mcore_budget``).
 Where hydra's own choice is the memory-driven formation or within :data:`MCORE_REACH` of it,
 :data:`MCORE_BUDGET_MEMORY` applies instead."""
-MCORE_BUDGET_MEMORY = 4194304
+MCORE_BUDGET_MEMORY = 8388608
 """The budget for Megatron's placement where, without it, hydra would choose its memory-driven formation or a
 candidate predicted less than :data:`MCORE_REACH` faster than it: Megatron's first fit places the same degrees
 (each sequence where the projected maximum is lowest) and balances ranks full of short sequences better than
@@ -85,14 +85,21 @@ calibrated model said so. The same held at 2,048 ranks x 32K, where the budget w
 under drawn truths whose GEMMs reach half their efficiency only at 2-4K tokens (a large fixed cost per
 microbatch) hydra's choice was up to 7.5% slower than Megatron's plan in 21 of 40 truths on lognormal batches of
 36,000 sequences and 21 of 40 on Pareto batches of 76,000, and under the grid's truths at 90% fill in all 20
-cells, its calibrated model agreeing in 19, 21 and 20 of them; with this bound none is (``bench.robust --truths
---random-truths 40 --seed-offset 5000 --world-sizes 2048 --contexts 32K --mcore-fast``, ``bench.robust
---world-sizes 2048 --contexts 32K --fill 0.9 --mcore-fast``). Up to this bound (512 ranks: about 185,000
-sequences; 2,048: 92,000; 4,096: 65,000) hydra pays for it (above), which
-:class:`~lightning_hydra.HydraDataModule` hides behind the step that trains while the next is planned
-(``plan_ahead``); it stops once a bound shows Megatron's plan cannot change the choice. A batch where a load-driven
-formation wins by more than :data:`MCORE_REACH` never pays it. An explicit ``mcore_budget`` replaces both
-budgets."""
+cells, its calibrated model agreeing in 19, 21 and 20 of them; with the budget at 4,194,304 none is
+(``bench.robust --truths --random-truths 40 --seed-offset 5000 --world-sizes 2048 --contexts 32K --mcore-fast``,
+``bench.robust --world-sizes 2048 --contexts 32K --fill 0.9 --mcore-fast``). Past that budget it held again: at
+2,048 ranks x 16 microbatches x 90% fill (Pareto, 180,000 sequences) hydra was 0.6-3.9% below Megatron's plan in 6
+of 8 truths (four of the grid's, four drawn), its own model agreeing; with this budget all 6 are ties
+(``bench.robust --world-sizes 2048 --contexts 32K --distributions pareto --microbatches 16 --fill 0.9 --mcore-fast
+--truths base worst bw0.5 tile512 --random-truths 4 --seed-offset 5000``). Doubled when reading the waiting
+sequences by position halved the placement's cost (:mod:`~lightning_hydra.planner.mcore_fast`): hydra's plan at
+the new edge (2,048 x 180,000 sequences) took 1.1-3.0 s, at the old edge (2,048 x 87,000-89,000) 2.0-2.9 s
+before. Up to this bound (512 ranks: about 370,000 sequences; 2,048: 185,000; 4,096: 131,000) hydra pays for it
+(above), which :class:`~lightning_hydra.HydraDataModule` hides behind the step that trains while the next is
+planned (``plan_ahead``); it stops once a bound shows Megatron's plan cannot change the choice. A batch where a
+load-driven formation wins by more than :data:`MCORE_REACH` never pays it. An explicit ``mcore_budget`` replaces
+both budgets. The bound counts sequences, not the step's length: more microbatches per step (more time to plan
+behind) reach it sooner; past it the shortfall can return."""
 
 
 MCORE_REACH = 0.08
