@@ -81,9 +81,6 @@ class _Batch:
         self.costs = (lens * lens)[:, None] / size_arr[None, :]
         """Megatron's load ``L * L / size`` ``[position, size]`` (the baseline's division of the same integers: the
         same floats)."""
-        self.caps: list[float] = (lens.astype(np.float64) * float(req.capacity) * (1.0 + CAP_DELTA)).tolist()
-        """Megatron's cap on the load of a microbatch whose longest sequence is at each position: its length times
-        the capacity, plus :data:`~lightning_hydra.planner.mcore.CAP_DELTA`."""
         self.klo: list[int] = np.searchsorted(size_arr, _min_degrees(lens, req.capacity)).tolist()
         """Index of the smallest size each sequence may take."""
         self.allowed = np.arange(len(sizes))[None, :] >= np.asarray(self.klo, dtype=np.int64)[:, None]
@@ -99,7 +96,7 @@ def _one_microbatch(
     and the positions that wait."""
     n = pend.size
     pos = pend.tolist()
-    cap = b.caps[pos[0]]
+    cap = float(b.lens[pos[0]]) * float(capacity) * (1.0 + CAP_DELTA)  # Megatron's cap on a rank's load
     n_sizes = len(sizes)
     size_arr = np.asarray(sizes, dtype=np.int64)
     # per size, its groups (numbered in creation order), their loads and tokens (the scans read only the sizes a
@@ -165,22 +162,19 @@ def _one_microbatch(
                 fits[:, k] |= (held > 0) & (least[np.maximum(held - 1, 0)] + costs[:, k] <= cap)
             return (fits & b.allowed[rows]).any(axis=1)
 
-        if start >= n:
-            return n
         at = np.unique(np.minimum(start + _GALLOP, n - 1))
         fits = fit_now(at)
         if not fits[-1]:
             return n
-        j = int(fits.argmax())
-        lo, hi = (int(at[j - 1]) + 1, int(at[j])) if j else (int(at[0]), int(at[0]))
-        while hi > lo:
+        while True:  # the first sample that fits is at ``at[j]``; the one before it does not
+            j = int(fits.argmax())
+            if j == 0 or at[j] == at[j - 1] + 1:
+                return int(at[j])
+            lo, hi = int(at[j - 1]) + 1, int(at[j])
             at = np.arange(lo, hi + 1, max(1, -(-(hi - lo + 1) // _SAMPLES)), dtype=np.int64)
             if at[-1] != hi:
                 at = np.append(at, hi)
             fits = fit_now(at)
-            j = int(fits.argmax())
-            lo, hi = (int(at[j - 1]) + 1, int(at[j])) if j else (int(at[0]), int(at[0]))
-        return lo
 
     add_group(b.klo[pos[0]], pos[0])  # the longest, alone at its smallest size
     placed = np.zeros(n, dtype=bool)
