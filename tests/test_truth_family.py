@@ -340,7 +340,9 @@ def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeyp
         ring_exposure=0.0, intra_node_bandwidth=74e9, bin_overhead=0.034, rings_measured=True
     )
     assert ensemble(fitted)[-1] == fitted.replace(ring_exposure=1.0)
-    lengths = make_batch("stdlib", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=0)
+    # seed 3: on seed 0, which this test used before, the formations that count a microbatch's fixed cost once per
+    # rank leave the fine candidate's regret above Megatron's plan even without the member
+    lengths = make_batch("stdlib", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=3)
     hw = truth("share50", LLAMA_8B.num_layers)
 
     robust, _ = _plan(lengths, "hydra", fitted, 32, "32K", 4)  # as the robustness benchmark plans
@@ -369,10 +371,12 @@ def test_unmeasured_rings_are_charged_over_links_as_slow_as_the_measured_all_to_
     assert member.inter_node_bandwidth == pytest.approx(fitted.inter_node_bandwidth * 125 / 400)
     measured = fitted.replace(rings_measured=True)
     assert ensemble(measured)[-1] == measured  # exposure already 1, links as they are
-    lengths = make_batch("pareto", world_size=32, capacity=4096, num_microbatches=8, fill=0.9, context=32768, seed=2)
+    # a lognormal batch in 4 microbatches: on the Pareto batch in 8 this test used before, the formations that count
+    # a microbatch's fixed cost once per rank left no ring-heavy candidate ahead even for the trusting model
+    lengths = make_batch("lognormal", world_size=32, capacity=4096, num_microbatches=4, fill=0.9, context=32768, seed=0)
     hw = truth("worst", LLAMA_8B.num_layers)
 
-    (trusting, _), (unmeasured, _) = (_plan(lengths, "hydra", c, 32, "32K", 8) for c in (measured, fitted))
+    (trusting, _), (unmeasured, _) = (_plan(lengths, "hydra", c, 32, "32K", 4) for c in (measured, fitted))
     assert trusting.stats["candidate"] == "fine/load" and unmeasured.stats["candidate"] != "fine/load"
     # the same batch's efficiency under the truth: the choice's step time under 0.98x the trusting one's
     assert efficiency(trusting, hw)[0] < 0.98 * efficiency(unmeasured, hw)[0]

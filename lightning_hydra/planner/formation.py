@@ -5,9 +5,10 @@ Dynamic-CP forms them, but with a closed-form load level, load-driven degrees an
 
 1. **Level.** Microbatch ``m`` aims at ``T_m = max(dense, even)``: ``dense`` is the work per rank of the heaviest
    remaining sequences that fill the pool's tokens (:data:`DENSE_FILL`), ``even`` the remaining work spread over
-   the remaining microbatches (work at the memory minimum, overheads and communication included). Packing a
-   microbatch densely with the heaviest sequences keeps their degrees low; ``even`` guarantees that the asked
-   number of microbatches holds the batch.
+   the remaining microbatches (work at the memory minimum, overheads and communication included), each plus the
+   fixed cost a busy rank pays once per microbatch (the smallest class's ``CostModel.fixed``: counted per rank, not
+   per sequence). Packing a microbatch densely with the heaviest sequences keeps their degrees low; ``even``
+   guarantees that the asked number of microbatches holds the batch.
 2. **Degrees.** With ``raise_degrees`` every sequence takes the smallest class of the degree set whose per-rank
    cost is at most ``T_m`` (never below its memory minimum): long sequences get more ranks than memory needs.
    Without it every sequence stays at its memory minimum (Megatron's degrees). With a ``lift`` above 1 the class
@@ -307,12 +308,18 @@ class _Tables:
         self.base_min, self.net_min = base, net  # the parts at the memory minimum (of the single-rank dealing)
         self.shard_min = shard_tokens(lens, sizes[j0])
         fixed = cost.fixed(ds.ulysses, ds.ring)
-        self.cost_min = base + cost.ring_exposure * np.maximum(net, 0.0) + fixed[j0]
-        self.work_min = self.cost_min * sizes[j0]
+        alone = base + cost.ring_exposure * np.maximum(net, 0.0)
+        self.cost_min = alone + fixed[j0]
+        # the work a sequence adds to its ranks: without the microbatch's fixed cost, which a busy rank pays once
+        # however many sequences it holds (:attr:`fixed_min` adds it to the level once per rank)
+        self.work_min = alone * sizes[j0]
+        self.fixed_min = float(fixed.min())
+        """The least fixed cost a busy rank pays per microbatch (``CostModel.fixed`` of the cheapest class)."""
         self.tokens_min = self.shard_min * sizes[j0]
-        # sequences that may need several ranks: above one rank of memory, or heavy enough to be raised
+        # sequences that may need several ranks: above one rank of memory, or heavy enough to be raised (their work
+        # above half a rank's mean share; the fixed cost, the same at any class a rank holds, decides no raise)
         low = 0.5 * float(self.work_min.sum()) / (req.world_size * req.num_microbatches)
-        self.multi = np.flatnonzero((j0 > 0) | (self.cost_min > low))
+        self.multi = np.flatnonzero((j0 > 0) | (alone > low))
         self.column = np.full(lens.size, -1, dtype=np.int64)
         self.column[self.multi] = np.arange(self.multi.size)
         lm = lens[self.multi]
@@ -397,10 +404,10 @@ def _microbatch(
     multiple of the level (see :func:`form`)."""
     cost, n_ranks, cap = req.cost, req.world_size, req.capacity
     work = tab.work_min[remaining]
-    level = float(work.sum()) / n_ranks / max(left, 1)
+    level = float(work.sum()) / n_ranks / max(left, 1) + tab.fixed_min
     if not last and not even:
         fill = _prefix_within(tab.tokens_min, remaining, DENSE_FILL * n_ranks * cap)
-        level = max(level, float(work[:fill].sum()) / n_ranks)
+        level = max(level, float(work[:fill].sum()) / n_ranks + tab.fixed_min)
     col = tab.column[remaining]
     multi_cols = col[col >= 0]
     kdeg = tab.classes_at(level * lift, raise_degrees, multi_cols) if multi_cols.size else multi_cols

@@ -161,13 +161,14 @@ class _Microbatch:
 
 def _opening_run(
     mb: _Microbatch, k: np.ndarray, size: np.ndarray, own: np.ndarray, base: np.ndarray, shards: np.ndarray,
-    fixed: np.ndarray, target: float,
+    target: float,
 ) -> int:  # fmt: skip
     """How many of the next sequences (heaviest first; their class ``k`` and its size, load alone ``own``, and base
     and shard at the :data:`REACH` classes from theirs) each open a group of their own: the longest run in which no
     sequence could join a group (no group of a reachable class light enough, counting the groups the run opens
-    before it) and every one fits the free ranks. The scalar placement would open exactly these groups."""
-    top, n = fixed.size - 1, k.size
+    before it) and every one fits the free ranks. The scalar placement would open exactly these groups. A group's
+    load already holds its fixed cost, so a sequence may join one whose load is at most ``target`` less its base."""
+    top, n = len(mb.sizes) - 1, k.size
     mins = mb.mins
     if not n:
         return 0
@@ -176,7 +177,7 @@ def _opening_run(
     if size[0] > mb.free or sh[0] > mb.cap:
         return 0
     for o in range(min(REACH, top - first) + 1):
-        if sh[o] <= mb.cap and mins[first + o] <= target - bs[o] - fixed[first + o]:
+        if sh[o] <= mb.cap and mins[first + o] <= target - bs[o]:
             return 0
     # per class present in the run (a row each, then a row of inf for the others): the lightest group the run opens
     # before each sequence, an exclusive running minimum of the loads alone of the run's sequences of that class
@@ -192,7 +193,7 @@ def _opening_run(
         reach = (j <= top) & (shards[:, o] <= mb.cap)
         j = np.minimum(j, top)
         lightest = np.minimum(mins[j], before[row[j], cols])
-        joinable |= reach & (lightest <= target - base[:, o] - fixed[j])
+        joinable |= reach & (lightest <= target - base[:, o])
     fits = (np.cumsum(size) <= mb.free) & (shards[:, 0] <= mb.cap)  # as the one-by-one opening
     stop = np.flatnonzero(joinable | ~fits)
     return int(stop[0]) if stop.size else int(k.size)
@@ -259,9 +260,7 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
                 break
         if bulk:
             end = min(n, i + _RUN)
-            run = _opening_run(
-                mb, k_arr[i:end], need_size[i:end], own_a[i:end], base_a[i:end], shards_a[i:end], fixed_a, target
-            )
+            run = _opening_run(mb, k_arr[i:end], need_size[i:end], own_a[i:end], base_a[i:end], shards_a[i:end], target)
             if run:
                 s = slice(i, i + run)
                 mb.open_many(k_arr[s], multi_a[s].tolist(), base_a[s, 0].tolist(), net_a[s, 0].tolist(),
@@ -274,7 +273,7 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
         if missed >= _LOOK_AFTER and (i >= upto or joined) and not last and _MISS_RUN:
             if bounds is None:
                 reach = (k_arr[:, None] + np.arange(REACH + 1) <= top) & (shards_a <= cap)
-                bounds = np.where(reach, target - base_a - fixed_a[rows], -np.inf)
+                bounds = np.where(reach, target - base_a, -np.inf)
                 alone = shards_a[:, 0] > cap
             at, upto, joined = i, min(n, i + _MISS_RUN), False
             miss = _certain_misses(mb, rows[at:upto], bounds[at:upto], need_size[at:upto], alone[at:upto])
@@ -295,7 +294,7 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
             if need > cap or not order:
                 continue
             b = bs[o]
-            pos = bisect.bisect_right(order, (target - b - fixed[j], _BIG))
+            pos = bisect.bisect_right(order, (target - b, _BIG))  # loads hold the fixed cost: only the base adds
             for q in range(pos - 1, max(pos - 1 - _FIT_SCAN, -1), -1):  # best fit: the most loaded with room
                 g = order[q][1]
                 if held[g] + need <= cap:
@@ -313,7 +312,8 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
             continue
         if choice == -1 and last:  # the least loaded group with room at any class from its own up
             best = None
-            costs, needs = cost_tab[k:, c].tolist(), tab.shards[k:, c].tolist()
+            # what the sequence adds to a group of each class (the group's load already holds its fixed cost)
+            costs, needs = (cost_tab[k:, c] - fixed_a[k:]).tolist(), tab.shards[k:, c].tolist()
             for j in range(k, top + 1):
                 order = ordered.get(j)
                 # the class's lightest group bounds what it can offer: skip it when that cannot beat the best
@@ -435,7 +435,7 @@ def _place_single(
         if act.size == 0:
             break
         head = int(rem[first.min()])
-        by = np.lexsort((load[act], first))
+        by = np.lexsort((load[act] + idle_fixed[act], first))  # the load each will carry, its fixed cost counted
         rank = np.arange(act.size)
         idx = rank + np.maximum.accumulate(first[by] - rank)
         stop_g = stop[by]
@@ -492,10 +492,11 @@ def _deal_block(
     placed."""
     bsum, nsum, held, load = state
     rem = np.flatnonzero(~taken)
-    groups = np.flatnonzero((load < limit) & (held < cap))
+    carried = np.where(held > 0, load, fixed)  # a group still empty pays its fixed cost with its first sequence
+    groups = np.flatnonzero((carried < limit) & (held < cap))
     if rem.size == 0 or groups.size == 0:
         return False
-    groups = groups[np.argsort(load[groups], kind="stable")]
+    groups = groups[np.argsort(carried[groups], kind="stable")]
     per = -(-rem.size // groups.size)
     slot = np.arange(min(rem.size, per * groups.size))
     g = groups[slot % groups.size]
