@@ -572,6 +572,28 @@ def test_a_large_fixed_cost_per_microbatch_leaves_hydras_memory_driven_formation
     assert hydra.stats["span/pow2/memory"] <= span["mcore"]
 
 
+def test_a_large_fixed_cost_per_microbatch_plans_fewer_microbatches_than_asked(monkeypatch, cost: CostModel) -> None:
+    """0.3 s per busy rank and microbatch, a 32K batch at half the tokens of the 8 microbatches asked: the
+    memory-driven formation planned for the 4 the tokens could fill (it takes 5) is hydra's choice, predicted no
+    slower than Megatron's first fit (which packs 5) with Megatron's placement not formed at all; planned for the 8
+    asked, every formation spreads the batch over all of them and hydra was predicted 13% slower."""
+    import lightning_hydra.planner.hydra as hydra_module
+    from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
+
+    heavy = dataclasses.replace(cost, bin_overhead=0.3)
+    lengths = make_batch("pareto", world_size=64, capacity=4096, num_microbatches=8, fill=0.5, context=32768, seed=2)
+    kw = {"world": 64, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768, "mcore_budget": 0}
+    plan = _run(lengths, "hydra", heavy, **kw)
+    mcore = schedule_mcore_fast(_request(lengths, heavy, 64, 4096, 8))
+    span = {p.policy: float(p.loads(heavy).max(axis=1).sum()) for p in (plan, mcore)}
+    assert plan.stats["candidate"] == "pow2/memory/m4" and plan.num_microbatches < 8 and "span/mcore" not in plan.stats
+    assert span["hydra"] <= span["mcore"]
+    with monkeypatch.context() as m:
+        m.setattr(hydra_module, "fewer_microbatches", lambda req, tables: None)
+        spread = _run(lengths, "hydra", heavy, **kw)
+    assert spread.num_microbatches == 8 and float(spread.loads(heavy).max(axis=1).sum()) > 1.1 * span["mcore"]
+
+
 def test_megatrons_plan_joins_where_the_choice_is_within_reach_of_the_memory_driven_formation() -> None:
     """A truth whose GEMMs reach half their efficiency at 4,096 tokens (a fixed cost per bin that dense packing saves:
     calibrated to 0.25 s per microbatch), a 4-step closed loop at 256 ranks on 32K lognormal batches: on the held-out

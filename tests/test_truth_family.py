@@ -584,10 +584,12 @@ def test_truth_counts_cp_ranks_per_node_under_tensor_parallelism_and_old_state_l
 @pytest.mark.parametrize(("mcore_budget", "bin_overhead", "seed"), [(None, 0.0, 5), (0, 0.0, 5), (None, 0.035, 1)])
 def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget, bin_overhead, seed):
     """The plans a benchmark times as hydra's candidates are the ones it chose from: the chosen plan is among them,
-    group for group (a formation's, and mcore's where hydra keeps it), and ``mcore`` is among them exactly when it is
-    within the budget."""
+    group for group (a formation's, and mcore's where hydra keeps it), ``mcore`` is among them exactly when it is
+    within the budget, and the memory-driven formation planned for fewer microbatches exactly where a fixed cost per
+    microbatch makes it worth it."""
     from lightning_hydra.planner import DegreeRules, PlanRequest
-    from lightning_hydra.planner.hydra import LIFTS, candidate_plans
+    from lightning_hydra.planner.formation import DegreeSet, _Tables
+    from lightning_hydra.planner.hydra import LIFTS, candidate_plans, fewer_microbatches
 
     cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256).replace(bin_overhead=bin_overhead)
     batch = make_batch(
@@ -599,12 +601,15 @@ def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget, bin_overhead, s
         mcore_budget=mcore_budget,
     )  # fmt: skip
     plans = candidate_plans(req)
+    fewer = fewer_microbatches(req, _Tables(req, DegreeSet.build(rules, "pow2")))
+    assert (fewer is None) == (bin_overhead == 0.0)  # planned for fewer microbatches only where a fixed cost pays
+    dense = set() if fewer is None else {f"pow2/memory/m{fewer}"}
     chosen = schedule(
         batch, world_size=64, num_microbatches=8, max_tokens_per_rank=4096, cost=cost, num_heads=32,
         max_seq_len=32768, mcore_budget=mcore_budget,
     )  # fmt: skip
     lifted = {f"pow2/load/x{lift:g}" for lift in LIFTS}  # within the lift budget at 64 ranks
-    assert set(plans) == {"pow2/load", "fine/load", "pow2/memory", "static"} | lifted | (
+    assert set(plans) == {"pow2/load", "fine/load", "pow2/memory", "static"} | lifted | dense | (
         {"mcore"} if mcore_budget is None else set()
     )
     same = plans[str(chosen.stats["candidate"])]

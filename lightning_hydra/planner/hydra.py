@@ -6,9 +6,10 @@ Per global batch, several candidate plans are formed and the most robust one is 
   power-of-two and the fine degree sets, dense microbatches at Megatron's memory-driven power-of-two degrees
   (Megatron-shaped, without its whole-pool scans), the ``static`` plan, up to :data:`LIFT_BUDGET` power-of-two
   formations whose degrees are chosen at :data:`LIFTS` times the level (fewer raised degrees, less ring traffic),
-  and up to :data:`MCORE_BUDGET` Megatron's own placement (:mod:`lightning_hydra.planner.mcore_fast`), up to
-  :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be the memory-driven formation or within
-  :data:`MCORE_REACH` of it.
+  where a fixed cost per microbatch makes it pay the memory-driven formation planned for fewer microbatches than
+  asked (:func:`fewer_microbatches`), and up to :data:`MCORE_BUDGET` Megatron's own placement
+  (:mod:`lightning_hydra.planner.mcore_fast`), up to :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be
+  a memory-driven formation or within :data:`MCORE_REACH` of one.
 - **Choice** (:mod:`lightning_hydra.planner.robust`): every candidate is scored under the planner's model and
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
   planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore) and no
@@ -23,6 +24,7 @@ per sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ from lightning_hydra.planner.static import StaticLayout, static_layout
 
 __all__ = [
     "CANDIDATES",
+    "FEWER_SHARE",
     "LIFTS",
     "LIFT_BUDGET",
     "MCORE_BUDGET",
@@ -126,10 +129,50 @@ not per-rank time) came out up to 0.1% slower under the truths. Keeping mcore's 
 time up to this margin above its own memory-driven formation's; never above mcore's or static's."""
 
 
+FEWER_SHARE = 0.01
+"""Share of the predicted step that the fixed costs of the microbatches a denser plan saves must exceed for the
+memory-driven formation planned for fewer microbatches to join the candidates (:func:`fewer_microbatches`). Every
+busy rank pays the model's fixed cost (``CostModel.fixed``: launches, GEMMs below peak on few tokens) once per
+microbatch; spread evenly over the asked microbatches, a batch that fits fewer pays it more often than Megatron's
+first fit, which packs each microbatch to its tokens. Under models calibrated to truths with large fixed costs
+(0.13-0.7 s per microbatch) Megatron's plan was predicted up to 14% faster than hydra's choice without it (64 ranks
+x 32K Pareto at half fill, 8 asked: Megatron's 5 microbatches 8.23 s, hydra's 7 of them 9.59 s; planned for 5,
+8.14 s). Over the 164 batches of a scan where Megatron's plan was predicted faster than hydra's choice without it
+(64, 512 and 1,024 ranks, 32K and 256K contexts, three length distributions, 8 and 16 microbatches, 50% and 90%
+fill, nine models: analytic, fixed costs of 0.02-0.1 s, and five calibrated by the closed loop), this candidate
+raised hydra's choice in 56 and lowered it in one (by 0.3%, the ensemble's choice), the mean of Megatron's over
+hydra's predicted step from 0.977 to 0.991. Under the analytic model (no fixed cost on a single rank) it is never
+formed."""
+
+
+def fewer_microbatches(req: PlanRequest, tables: _Tables) -> int | None:
+    """The microbatches the denser memory-driven candidate is planned for, or ``None`` where it is not formed: the
+    fewest that the batch's tokens (at the memory minimum, zigzag padding included) could fill, where that is fewer
+    than asked and the fixed cost the saved microbatches would pay on every rank exceeds :data:`FEWER_SHARE` of the
+    step (the work at the memory minimum spread over the pool, plus the fixed cost of every asked microbatch). The
+    formation spills into more where its groups cannot reach the tokens. Never with pipeline stages (fewer
+    microbatches raise a pipeline's warm-up and cool-down share).
+
+    Args:
+        req: The validated request.
+        tables: The power-of-two degree set's cost tables (:class:`~lightning_hydra.planner.formation._Tables`).
+    """
+    asked, fixed = req.num_microbatches, tables.fixed_min
+    if req.pipeline_stages > 1 or fixed <= 0.0:
+        return None
+    fewest = max(1, math.ceil(float(tables.tokens_min.sum()) / (req.world_size * req.capacity)))
+    step = float(tables.work_min.sum()) / req.world_size + asked * fixed
+    if fewest >= asked or (asked - fewest) * fixed <= FEWER_SHARE * step:
+        return None
+    return fewest
+
+
 def candidates(req: PlanRequest) -> list[Formation]:
     """The formations of :data:`CANDIDATES` (cost tables shared per degree set); with pipeline stages also the
     load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum, none merged); within
-    :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`."""
+    :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`; where a fixed cost per microbatch
+    makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for fewer microbatches than
+    asked (named with ``/m`` and their count)."""
     tables: dict[str, _Tables] = {}
     out = []
     for name, load_driven in CANDIDATES:
@@ -139,10 +182,14 @@ def candidates(req: PlanRequest) -> list[Formation]:
         out.append(form(req, ds, raise_degrees=load_driven, tables=tables[name]))
         if req.pipeline_stages > 1 and load_driven:
             out.append(form(req, ds, raise_degrees=True, tables=tables[name], even=True))
+    ds = DegreeSet.build(req.rules, "pow2")
+    tab = tables["pow2"] if "pow2" in tables else _Tables(req, ds)
     if _within(req, LIFT_BUDGET):
-        ds = DegreeSet.build(req.rules, "pow2")
-        tab = tables["pow2"] if "pow2" in tables else _Tables(req, ds)
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
+    fewer = fewer_microbatches(req, tab)
+    if fewer is not None:
+        dense = form(dataclasses.replace(req, num_microbatches=fewer), ds, raise_degrees=False, tables=tab)
+        out.append(dataclasses.replace(dense, name=f"{dense.name}/m{fewer}"))
     return out
 
 
@@ -219,10 +266,11 @@ def _choice(req: PlanRequest) -> _Choice:
 
 
 def _within_reach(scored: list[Scored], pick: int) -> bool:
-    """Whether the memory-driven formation is chosen or the choice is predicted less than :data:`MCORE_REACH`
-    faster than it under the planner's own model (then Megatron's placement, which places the same degrees more
-    densely, may beat the choice)."""
-    memory = min((s.spans[0] for s in scored if s.name.endswith("/memory")), default=np.inf)
+    """Whether a memory-driven formation is chosen or the choice is predicted less than :data:`MCORE_REACH`
+    faster than the fastest of them under the planner's own model (then Megatron's placement, which places the same
+    degrees more densely, may beat the choice). The memory-driven formations are the one for the asked
+    microbatches and the one planned for fewer (:func:`fewer_microbatches`)."""
+    memory = min((s.spans[0] for s in scored if s.name.split("/")[1:2] == ["memory"]), default=np.inf)
     return bool(scored[pick].spans[0] >= memory * (1 - MCORE_REACH))
 
 
