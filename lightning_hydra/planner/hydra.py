@@ -139,15 +139,12 @@ FEWER_SHARE = 0.01
 memory-driven formation planned for fewer microbatches to join the candidates (:func:`fewer_microbatches`). Every
 busy rank pays the model's fixed cost (``CostModel.fixed``: launches, GEMMs below peak on few tokens) once per
 microbatch; spread evenly over the asked microbatches, a batch that fits fewer pays it more often than Megatron's
-first fit, which packs each microbatch to its tokens. Under models calibrated to truths with large fixed costs
-(0.13-0.7 s per microbatch) Megatron's plan was predicted up to 14% faster than hydra's choice without it (64 ranks
-x 32K Pareto at half fill, 8 asked: Megatron's 5 microbatches 8.23 s, hydra's 7 of them 9.59 s; planned for 5,
-8.14 s). Over the 164 batches of a scan where Megatron's plan was predicted faster than hydra's choice without it
-(64, 512 and 1,024 ranks, 32K and 256K contexts, three length distributions, 8 and 16 microbatches, 50% and 90%
-fill, nine models: analytic, fixed costs of 0.02-0.1 s, and five calibrated by the closed loop), this candidate
-raised hydra's choice in 56 and lowered it in one (by 0.3%, the ensemble's choice), the mean of Megatron's over
-hydra's predicted step from 0.977 to 0.991. Under the analytic model (no fixed cost on a single rank) it is never
-formed."""
+first fit, which packs each microbatch to its tokens. Own-model scan with Megatron's placement not formed
+(``mcore_budget=0``; 64 and 512 ranks x 32K x three distributions x 8/16 microbatches x 50/90% fill x a model with
+0.1 s per microbatch and three calibrated by the closed loop to truths with 0.13-0.7 s): with this candidate
+hydra's predicted step came out better in 22 of the 96 batches (by up to 4.7%; every gain above 0.5% at 16
+microbatches) and worse in none; Megatron's over hydra's predicted step 0.995 -> 1.000 on average. Under the
+analytic model (no fixed cost on a single rank) it is never formed."""
 
 
 def fewer_microbatches(req: PlanRequest, tables: _Tables) -> int | None:

@@ -41,6 +41,9 @@ _MISS_RUN = 64
 """Sequences looked at for runs of misses (:func:`_certain_misses`) at a time (0: never look)."""
 _LOOK_AFTER = 2
 """Consecutive misses placed one by one before a look for runs of misses (a look costs about five of them)."""
+_ROUNDING = 1e-9
+"""Relative allowance on the closed-form longest sequence within a group's slack (its rounding; the exact check
+decides)."""
 _BIG = 1 << 62
 """A group number above any (the upper end of a bisection over ``(load, group)`` pairs)."""
 
@@ -423,7 +426,10 @@ def _place_single(
         longest = 2 * size[act] * ((cap - held[act]) // 2)  # the token room
         if not last:
             slack = limit - load[act] - idle_fixed[act]
-            longest = np.minimum(longest, cost.longest_under(slack, quad[act], per_token[act]))
+            # the closed form rounds: a sequence whose time fills the slack exactly (the level set by the tallest
+            # sequence, alone on a rank) came out a token too long and waited for the last microbatch; a length a
+            # hair too generous is caught by the exact check below
+            longest = np.minimum(longest, cost.longest_under(slack, quad[act], per_token[act]) * (1 + _ROUNDING))
         first = np.searchsorted(neg_len, -longest, "left")
         refused = np.flatnonzero(lo[act])
         if refused.size:
