@@ -131,7 +131,9 @@ at a predicted gain of 0.5-1% came out 0.02% faster on average and 2.1% slower a
 did); the 20 at 1-2% came out 0.6% faster on average, 0.2% slower at worst. On drawn truths and other batches
 (``--random-truths``, 64 ranks x 32K/256K and 512 ranks x 32K) raising the margin from 0.5% to 1% changed no worst
 cell and the mean by at most 0.03%; 2% cost 0.2%. Keeping mcore's plan may leave hydra's predicted time up to this
-margin above its own memory-driven formation's; never above mcore's or static's."""
+margin above its own memory-driven formation's; never above mcore's or static's. The margin is also a limit
+:class:`~lightning_hydra.planner.mcore_bound.Hopeless` must clear before it stops Megatron's placement: at 1% it
+stops later than at 0.5% (hydra's plan 1.05-1.15x the CPU time at 2,048 ranks, ``bench.schedule``)."""
 
 
 FEWER_SHARE = 0.01
