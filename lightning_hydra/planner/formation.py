@@ -447,7 +447,7 @@ def _microbatch(
 
 def form(
     req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Tables | None = None, even: bool = False,
-    lift: float = 1.0,
+    lift: float = 1.0, microbatches: int | None = None,
 ) -> Formation:  # fmt: skip
     """Form the microbatches of one candidate (see the module docstring).
 
@@ -467,12 +467,14 @@ def form(
             rises to the tallest of them: less ring traffic, more room for the rest to fill. Between the
             load-driven (``1``) and the memory-driven formation (no raise), for truths where rings cost more than
             the planner's model charges.
+        microbatches: Plan for this many microbatches instead of the request's (named with ``/m`` and the count;
+            ``None``: the request's).
 
     Returns:
         The candidate as flat arrays.
     """
     tab = tables if tables is not None else _Tables(req, ds)
-    asked = req.num_microbatches
+    asked = req.num_microbatches if microbatches is None else microbatches
     # heaviest first (ties in index order), sorted from the longest-first order: it is nearly that, so the sort
     # merges a few runs; equal costs of different lengths (possible only without attention cost) would come out
     # longest first instead, so then the batch's own order is sorted
@@ -505,5 +507,6 @@ def form(
         num_microbatches=max(len(formed), asked),
         name=f"{ds.name}/{'load' if raise_degrees else 'memory'}"
         + ("/even" if even else "")
-        + (f"/x{lift:g}" if raise_degrees and lift != 1.0 else ""),
+        + (f"/x{lift:g}" if raise_degrees and lift != 1.0 else "")
+        + (f"/m{microbatches}" if microbatches is not None else ""),
     )

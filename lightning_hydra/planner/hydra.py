@@ -24,7 +24,6 @@ per sequence.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -192,8 +191,7 @@ def candidates(req: PlanRequest) -> list[Formation]:
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
     fewer = fewer_microbatches(req, tab)
     if fewer is not None:
-        dense = form(dataclasses.replace(req, num_microbatches=fewer), ds, raise_degrees=False, tables=tab)
-        out.append(dataclasses.replace(dense, name=f"{dense.name}/m{fewer}"))
+        out.append(form(req, ds, raise_degrees=False, tables=tab, microbatches=fewer))
     return out
 
 
