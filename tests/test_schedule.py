@@ -589,9 +589,10 @@ def test_a_large_fixed_cost_per_microbatch_leaves_hydras_memory_driven_formation
 
 def test_a_large_fixed_cost_per_microbatch_plans_fewer_microbatches_than_asked(monkeypatch, cost: CostModel) -> None:
     """0.1 s per busy rank and microbatch, a 32K batch at half the tokens of the 16 microbatches asked: the
-    memory-driven formation planned for the 8 the tokens could fill (it takes 9) is hydra's choice, predicted no
-    slower than Megatron's first fit with Megatron's placement not formed at all; planned for the 16 asked, every
-    formation spreads the batch over more of them and hydra was predicted slower than Megatron's plan."""
+    memory-driven formation planned for the 9 microbatches its tokens could fill (8.0 pools' worth, 9 with the
+    zigzag padding) is hydra's choice, predicted no slower than Megatron's first fit with Megatron's placement not
+    formed at all; planned for the 16 asked, every formation spreads the batch over more of them and hydra was
+    predicted slower than Megatron's plan."""
     import lightning_hydra.planner.hydra as hydra_module
     from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 
