@@ -493,10 +493,13 @@ def form(
         remaining = waiting
     if len(formed) >= 2 and not even:
         both = np.concatenate([formed[-2].seq, formed[-1].seq])
-        both = both[np.argsort(-tab.cost_min[both], kind="stable")]
-        mb, waiting = _microbatch(tab, ds, req, both, 1, True, raise_degrees, lift=lift)
-        if waiting.size == 0 and mb.top < formed[-2].top + formed[-1].top:
-            formed[-2:] = [mb]
+        # a microbatch holds at most the pool's tokens (every rank holds its shard of each of its group's sequences):
+        # where the two hold more, the merged one would leave some waiting and is not formed at all
+        if int(req.lengths[both].sum()) <= req.world_size * req.capacity:
+            both = both[np.argsort(-tab.cost_min[both], kind="stable")]
+            mb, waiting = _microbatch(tab, ds, req, both, 1, True, raise_degrees, lift=lift)
+            if waiting.size == 0 and mb.top < formed[-2].top + formed[-1].top:
+                formed[-2:] = [mb]
     offsets = np.cumsum([0] + [f.classes.size for f in formed])
     return Formation(
         degrees=ds,
