@@ -671,7 +671,9 @@ def test_megatrons_plan_joins_where_the_choice_is_within_reach_of_the_memory_dri
     memory = Scored("pow2/memory", np.array([4.0]), True)
     same = Scored("pow2/load", np.array([4.0]), False)
     faster = Scored("fine/load", np.array([4.0 * (1 - MCORE_REACH) * 0.999]), False)
-    assert hydra_module._within_reach([memory, same], 1) and not hydra_module._within_reach([memory, faster], 1)
+    assert hydra_module._within_reach([memory, same], 1, [0]) and not hydra_module._within_reach(
+        [memory, faster], 1, [0]
+    )
 
 
 def test_megatrons_placement_stops_once_it_cannot_change_the_choice(monkeypatch, cost: CostModel) -> None:

@@ -112,6 +112,10 @@ class Formation:
     """Microbatches formed."""
     name: str
     """Which candidate this is."""
+    memory_driven: bool
+    """Whether every sequence keeps its memory-minimum degree (no degree raised: Megatron's degrees)."""
+    planned_for: int
+    """Microbatches it was planned for: the request's, or fewer (:func:`form`'s ``microbatches``)."""
     _laid: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
 
     def loads(self, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
@@ -508,6 +512,8 @@ def form(
         seq=np.concatenate([f.seq for f in formed]).astype(np.int64),
         gid=np.concatenate([f.gid + o for f, o in zip(formed, offsets, strict=False)]).astype(np.int64),
         num_microbatches=max(len(formed), asked),
+        memory_driven=not raise_degrees,
+        planned_for=asked,
         name=f"{ds.name}/{'load' if raise_degrees else 'memory'}"
         + ("/even" if even else "")
         + (f"/x{lift:g}" if raise_degrees and lift != 1.0 else "")

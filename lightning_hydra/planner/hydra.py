@@ -241,15 +241,17 @@ def _choice(req: PlanRequest) -> _Choice:
     def spans(*flat: np.ndarray | int, crosses: np.ndarray | None = None) -> np.ndarray:
         return spans_of(models, lengths, *flat, req.pipeline_stages, crosses)
 
-    # the Megatron-shaped formation, static and mcore bound hydra's own prediction; each scored as laid out (a ring
-    # is charged the link its ranks use)
-    scored = [Scored(f.name, spans(*f.flat(), crosses=f.crosses(req)), f.name.endswith("/memory")) for f in formed]
+    # the Megatron-shaped formation (the memory-driven one for the asked microbatches), static and mcore bound
+    # hydra's own prediction; each scored as laid out (a ring is charged the link its ranks use)
+    memory = [i for i, f in enumerate(formed) if f.memory_driven]
+    shaped = [f.memory_driven and f.planned_for == req.num_microbatches for f in formed]
+    scored = [Scored(f.name, spans(*f.flat(), crosses=f.crosses(req)), b) for f, b in zip(formed, shaped, strict=True)]
     scored.append(Scored("static", spans(*static.flat(), crosses=static.crosses(req)), True))
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
     mcore = schedule_mcore_fast(req) if _within(req, budget) else None
     if mcore is None:
         pick, regret = choose(scored, weights, BASELINE_SLACK)
-        if req.mcore_budget is None and _within_reach(scored, pick) and _within(req, MCORE_BUDGET_MEMORY):
+        if req.mcore_budget is None and _within_reach(scored, pick, memory) and _within(req, MCORE_BUDGET_MEMORY):
             # formed until it provably cannot change the choice (then ``None``: the choice stands)
             hopeless = Hopeless(
                 req, models, weights, scored, pick, regret[scored[pick].name], BASELINE_SLACK, MCORE_MARGIN
@@ -267,13 +269,19 @@ def _choice(req: PlanRequest) -> _Choice:
     return _Choice(formed, static, mcore, scored, pick, regret)
 
 
-def _within_reach(scored: list[Scored], pick: int) -> bool:
+def _within_reach(scored: list[Scored], pick: int, memory: list[int]) -> bool:
     """Whether a memory-driven formation is chosen or the choice is predicted less than :data:`MCORE_REACH`
     faster than the fastest of them under the planner's own model (then Megatron's placement, which places the same
-    degrees more densely, may beat the choice). The memory-driven formations are the one for the asked
-    microbatches and the one planned for fewer (:func:`fewer_microbatches`)."""
-    memory = min((s.spans[0] for s in scored if s.name.split("/")[1:2] == ["memory"]), default=np.inf)
-    return bool(scored[pick].spans[0] >= memory * (1 - MCORE_REACH))
+    degrees more densely, may beat the choice).
+
+    Args:
+        scored: The candidates as scored.
+        pick: Index of the choice in ``scored``.
+        memory: Indices in ``scored`` of the memory-driven formations (:attr:`Formation.memory_driven`: the one for
+            the asked microbatches and the one planned for fewer, :func:`fewer_microbatches`).
+    """
+    fastest = min((scored[i].spans[0] for i in memory), default=np.inf)
+    return bool(scored[pick].spans[0] >= fastest * (1 - MCORE_REACH))
 
 
 def _within(req: PlanRequest, budget: float) -> bool:
