@@ -108,6 +108,7 @@ def _one_microbatch(
     # per size, the least tokens and load of its groups: a size none of whose groups has room is skipped unread
     low_packed = [capacity + 1] * n_sizes
     low_load = [np.inf] * n_sizes
+    present: list[int] = []  # the sizes that have groups, ascending
     members: list[list[int]] = []  # positions of each group's sequences
     count = 0
     next_free = 0
@@ -120,6 +121,8 @@ def _one_microbatch(
         j = c_count[k]
         c_group[k][j], c_load[k][j], c_packed[k][j] = count, load, packed
         c_count[k] = j + 1
+        if not j:
+            bisect.insort(present, k)
         low_packed[k], low_load[k] = min(low_packed[k], packed), min(low_load[k], load)
         members.append([p])
         top = max(top, load)
@@ -194,13 +197,21 @@ def _one_microbatch(
             # the common case first: a candidate that leaves the maximum at ``top`` (every projection is at least
             # ``top``, so one that equals it is a minimum); the first in Megatron's order among them wins: sizes
             # ascending, groups of a size in creation order, a new group after them
-            kn = next((k for k in range(klo, n_sizes) if sizes[k] <= free and costs[k] <= top), n_sizes)
+            # the first size from ``klo`` on whose new group leaves ``top``; sizes ascend, so where it exceeds the
+            # free ranks no larger one fits them either
+            kn = klo
+            while kn < n_sizes and costs[kn] > top:
+                kn += 1
+            if kn < n_sizes and sizes[kn] > free:
+                kn = n_sizes
             done = False
-            for k in range(klo, min(kn + 1, n_sizes)):
-                n_k = c_count[k]
+            for k in present[bisect.bisect_left(present, klo) :]:  # the sizes with groups, ascending
+                if k > kn:
+                    break
                 cost = costs[k]
-                if not n_k or low_packed[k] > capacity - shards[k] or low_load[k] + cost > top:
+                if low_packed[k] > capacity - shards[k] or low_load[k] + cost > top:
                     continue
+                n_k = c_count[k]
                 fit = (c_load[k][:n_k] + cost <= top) & (c_packed[k][:n_k] <= capacity - shards[k])
                 j = int(fit.argmax())
                 if fit[j]:
@@ -216,21 +227,26 @@ def _one_microbatch(
                 continue
         # the smallest projected maximum within the cap over existing groups of an allowed size with token room
         # and new groups on free ranks; the first in Megatron's order at it wins
+        # (Megatron's order: sizes ascending and, at a size, its groups before a new one; the earliest at the
+        # smallest projection wins: existing groups over the sizes that have them, then new groups over the sizes
+        # that fit the free ranks, a new one winning a tie only at a smaller size)
         best_p, best_k, best_j = np.inf, n_sizes, -1
-        for k in range(klo, n_sizes):
+        for k in present[bisect.bisect_left(present, klo) :]:
             cost = costs[k]
-            n_k = c_count[k]
-            if n_k and low_packed[k] <= capacity - shards[k] and max(top, low_load[k] + cost) <= cap:
+            if low_packed[k] <= capacity - shards[k] and max(top, low_load[k] + cost) <= cap:
+                n_k = c_count[k]
                 proj = np.maximum(top, c_load[k][:n_k] + cost)
                 ok = (proj <= cap) & (c_packed[k][:n_k] <= capacity - shards[k])
                 if ok.any():
                     q = float(proj[ok].min())
                     if q < best_p:
                         best_p, best_k, best_j = q, k, int(np.flatnonzero(ok & (proj == q))[0])
-            if sizes[k] <= free:
-                q = max(top, cost)
-                if q <= cap and q < best_p:
-                    best_p, best_k, best_j = q, k, -1
+        for k in range(klo, n_sizes):
+            if sizes[k] > free:
+                break
+            q = max(top, costs[k])
+            if q <= cap and (q < best_p or (q == best_p and k < best_k)):
+                best_p, best_k, best_j = q, k, -1
         if best_k == n_sizes:
             # it fits nowhere now, nor will any sequence as long (the same shards, loads and sizes): on to the next
             # shorter one
