@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import json
 import math
@@ -15,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lightning_hydra.planner as planner
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
@@ -383,37 +381,6 @@ def test_digests_equal_across_processes() -> None:
     namespace: dict = {}
     exec(_CHILD.replace("print(json.dumps(out))", ""), namespace)
     assert namespace["out"] == first
-
-
-@pytest.mark.parametrize("collecting", [True, False])
-def test_the_collector_is_paused_while_planning_and_left_as_it_was(monkeypatch, collecting: bool, cost) -> None:
-    seen: list[bool] = []
-
-    def recording(policy):
-        def run(req):
-            seen.append(gc.isenabled())
-            return policy(req)
-
-        return run
-
-    def failing(req):
-        seen.append(gc.isenabled())
-        raise PlanError("a plan that breaks while being built")
-
-    lengths = make_batch("stdlib", world_size=16, capacity=8192, num_microbatches=4, fill=0.75, context=65536, seed=7)
-    was = gc.isenabled()
-    try:
-        gc.enable() if collecting else gc.disable()
-        monkeypatch.setitem(planner.POLICIES, "hydra", recording(planner.POLICIES["hydra"]))
-        _run(lengths, "hydra", cost, world=16, capacity=8192)
-        assert gc.isenabled() is collecting
-        monkeypatch.setitem(planner.POLICIES, "hydra", failing)
-        with pytest.raises(PlanError, match="breaks while being built"):
-            _run(lengths, "hydra", cost, world=16, capacity=8192)
-        assert gc.isenabled() is collecting
-    finally:
-        gc.enable() if was else gc.disable()
-    assert seen == [False, False]
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,7 @@ same :class:`Plan` (compare :meth:`Plan.digest` to be sure).
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -155,32 +153,6 @@ def schedule(
         pipeline_stages=pipeline_stages,
         mcore_budget=mcore_budget,
     )
-    with _collector_paused():
-        plan = POLICIES[policy](req)
-        plan.check(arr.tolist(), max_tokens_per_rank)
+    plan = POLICIES[policy](req)
+    plan.check(arr.tolist(), max_tokens_per_rank)
     return plan
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a plan is built, and restore its state after.
-
-    A plan of 2,048 ranks builds tens of thousands of groups (four containers each) and none of them forms a
-    cycle; with the collector running, their allocations trigger a young-generation pass every 700 of them and an
-    older one every tenth of those, which re-walk the groups already built. Paused, the survivors are walked once,
-    by the first collection after the plan. Measured at 2,048 ranks x 256K lognormal batches, ten plans in a row
-    with the two latest kept alive (a run that plans ahead holds the step's plan and the next one) and
-    allocations after each, so that the deferred collection is counted: with torch, Lightning and transformers
-    loaded, 118-125 ms per plan against 139-140 ms; in a bare process 122-129 against 133-138 ms. Where each plan
-    is dropped before the next (``bench.schedule``) the two are within noise. Reference counting still frees what the
-    planner drops. The collector is switched back on only where it was on when planning began (a run that manages
-    collection itself, Megatron's ``--manual-gc`` style, keeps it off); one that switches it while a plan is being
-    built in another thread (:class:`~lightning_hydra.HydraDataModule`'s ``plan_ahead``) finds it on again after.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
