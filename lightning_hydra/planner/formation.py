@@ -113,7 +113,8 @@ class Formation:
     name: str
     """Which candidate this is."""
     memory_driven: bool
-    """Whether every sequence keeps its memory-minimum degree (no degree raised: Megatron's degrees)."""
+    """Whether degrees were chosen at each sequence's memory minimum (:func:`form` without ``raise_degrees``:
+    Megatron's degrees; a sequence may still join a group of a larger class that has room)."""
     planned_for: int
     """Microbatches it was planned for: the request's, or fewer (:func:`form`'s ``microbatches``)."""
     _laid: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)

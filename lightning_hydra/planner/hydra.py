@@ -279,6 +279,9 @@ def _within_reach(scored: list[Scored], pick: int, memory: list[int]) -> bool:
         pick: Index of the choice in ``scored``.
         memory: Indices in ``scored`` of the memory-driven formations (:attr:`Formation.memory_driven`: the one for
             the asked microbatches and the one planned for fewer, :func:`fewer_microbatches`).
+
+    Returns:
+        Whether Megatron's placement may change the choice (``False`` without a memory-driven formation).
     """
     fastest = min((scored[i].spans[0] for i in memory), default=np.inf)
     return bool(scored[pick].spans[0] >= fastest * (1 - MCORE_REACH))
