@@ -369,8 +369,6 @@ def _place_single(
     held = np.concatenate([np.asarray(mb.held, dtype=np.int64), np.zeros(free, dtype=np.int64)])
     size, ulysses, ring = ds.sizes[gk], ds.ulysses[gk], ds.ring[gk]
     fixed = mb.tab.fixed[gk]
-    # the fixed cost a group's first sequence adds: none on the multi-rank phase's groups (each opened with one)
-    idle_fixed = np.where(np.arange(gk.size) < len(mb.gk), 0.0, fixed)
     exposure = cost.ring_exposure
     # sequences longest first, with their parts and shard at class 0 (their memory minimum: every sequence dealt
     # here has it), so that pairs with a class-0 group are read, not computed
@@ -425,7 +423,7 @@ def _place_single(
         # passed (``head``) until that happens
         longest = 2 * size[act] * ((cap - held[act]) // 2)  # the token room
         if not last:
-            slack = limit - load[act] - idle_fixed[act]
+            slack = limit - _carried(load[act], held[act], fixed[act])
             # the closed form rounds: a sequence whose time fills the slack exactly (the level set by the tallest
             # sequence, alone on a rank) came out a token too long and waited for the last microbatch; a length a
             # hair too generous is caught by the exact check below
@@ -441,7 +439,7 @@ def _place_single(
         if act.size == 0:
             break
         head = int(rem[first.min()])
-        by = np.lexsort((load[act] + idle_fixed[act], first))  # the load each will carry, its fixed cost counted
+        by = np.lexsort((_carried(load[act], held[act], fixed[act]), first))
         rank = np.arange(act.size)
         idx = rank + np.maximum.accumulate(first[by] - rank)
         stop_g = stop[by]
@@ -475,7 +473,6 @@ def _place_single(
             left_in[idx] = False
             rem, neg_len = rem[left_in], neg_len[left_in]
         load[g] = after
-        idle_fixed[g] = 0.0
         taken[pos] = True
         assign[pos] = g
     else:  # many short sequences per group: deal the rest in blocks, several per group at once
@@ -485,6 +482,12 @@ def _place_single(
     placed = np.flatnonzero(assign >= 0)
     mb.single_seq, mb.single_gid = s_seq[placed], assign[placed]
     return s_seq[~taken]
+
+
+def _carried(load: np.ndarray, held: np.ndarray, fixed: np.ndarray) -> np.ndarray:
+    """The load each group carries once it holds a sequence: its load (which holds the microbatch's fixed cost), or,
+    while it is still empty (no tokens held), the fixed cost its first sequence brings."""
+    return np.where(held > 0, load, fixed)
 
 
 def _deal_block(
@@ -498,7 +501,7 @@ def _deal_block(
     placed."""
     bsum, nsum, held, load = state
     rem = np.flatnonzero(~taken)
-    carried = np.where(held > 0, load, fixed)  # a group still empty pays its fixed cost with its first sequence
+    carried = _carried(load, held, fixed)
     groups = np.flatnonzero((carried < limit) & (held < cap))
     if rem.size == 0 or groups.size == 0:
         return False
