@@ -193,6 +193,7 @@ def _one_microbatch(
         klo = b.klo[p]
         shards = b.shards[p].tolist()
         free = world_size - next_free
+        grouped = present[bisect.bisect_left(present, klo) :]  # the sizes it may take that have groups, ascending
         if top <= cap:
             # the common case first: a candidate that leaves the maximum at ``top`` (every projection is at least
             # ``top``, so one that equals it is a minimum); the first in Megatron's order among them wins: sizes
@@ -205,7 +206,7 @@ def _one_microbatch(
             if kn < n_sizes and sizes[kn] > free:
                 kn = n_sizes
             done = False
-            for k in present[bisect.bisect_left(present, klo) :]:  # the sizes with groups, ascending
+            for k in grouped:
                 if k > kn:
                     break
                 cost = costs[k]
@@ -231,7 +232,7 @@ def _one_microbatch(
         # smallest projection wins: existing groups over the sizes that have them, then new groups over the sizes
         # that fit the free ranks, a new one winning a tie only at a smaller size)
         best_p, best_k, best_j = np.inf, n_sizes, -1
-        for k in present[bisect.bisect_left(present, klo) :]:
+        for k in grouped:
             cost = costs[k]
             if low_packed[k] <= capacity - shards[k] and max(top, low_load[k] + cost) <= cap:
                 n_k = c_count[k]
