@@ -147,12 +147,17 @@ class Formation:
 
     def crosses(self, req: PlanRequest) -> np.ndarray | None:
         """Whether each group spans nodes in the plan's layout (:meth:`CostModel.crossing`), in group order;
-        ``None`` without rings of up to a node's ranks (then the contiguous layout keeps every group that divides a
-        node inside one and every larger one crosses, which is :meth:`CostModel.ring_bandwidth`'s default)."""
+        ``None`` without rings of up to a node's ranks where the cost model's node is the request's (then the
+        contiguous layout keeps every group that divides a node inside one and every larger one crosses, which is
+        :meth:`CostModel.ring_bandwidth`'s default). A model whose ``ranks_per_node`` differs from the request's
+        reads the layout (a group larger than the request's node may sit inside the model's, and a small one may
+        straddle it), so that the formation is scored as :meth:`Plan.loads` will time it."""
         ds = self.degrees
-        small_rings = (ds.sizes <= req.rules.ranks_per_node) & (ds.ring > 1)
-        if not small_rings.any() or not small_rings[self.group_class].any():
-            return None
+        node = req.cost.ranks_per_node
+        if not node or node == req.rules.ranks_per_node:
+            small_rings = (ds.sizes <= req.rules.ranks_per_node) & (ds.ring > 1)
+            if not small_rings.any() or not small_rings[self.group_class].any():
+                return None
         lay, start = self._layout(req)
         out = np.empty(lay.size, dtype=bool)
         out[lay] = req.cost.crossing(start, self.degrees.sizes[self.group_class[lay]])
