@@ -342,6 +342,37 @@ def test_mcore_fast_is_megatrons_placement_in_pools_that_are_not_a_power_of_two(
         assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches
 
 
+@pytest.mark.parametrize(
+    ("world", "node", "heads", "max_ring", "capacity"),
+    [(4, 2, None, 1, 4096), (24, 1, 7, 4, 1000), (512, 8, 40, 4, 1000), (64, 1, None, 1, 100)],
+)
+def test_pools_that_are_no_group_leave_ranks_idle_where_megatrons_fill_fails(
+    world: int, node: int, heads: int | None, max_ring: int, capacity: int, cost: CostModel
+) -> None:
+    """Megatron's fill ends in one group of the whole pool where doubling groups cannot cover the empty ranks; a cap
+    on the ring (or heads that no Ulysses degree divides) can leave the pool no group at all, and every policy that
+    runs Megatron's placement (``mcore``, and ``hydra`` with it as a candidate) raised ``PlanError`` on batches that
+    fit (found by fuzzing). The empty ranks now idle; the fast placement still makes the baseline's plan."""
+    from lightning_hydra.planner.mcore import schedule_mcore
+    from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
+
+    rules = DegreeRules(world_size=world, ranks_per_node=node, num_heads=heads, max_ring=max_ring)
+    assert rules.factor(world) is None
+    rng = np.random.default_rng(world)
+    for n in (1, 2, 9, 60):
+        lengths = rng.integers(1, capacity * rules.degrees()[-1], size=n)
+        mbs = math.ceil(lengths.sum() / (0.7 * world * capacity))
+        kw = {"world_size": world, "ranks_per_node": node, "num_heads": heads, "max_ring": max_ring}
+        plans = {
+            p: schedule(lengths, num_microbatches=mbs, max_tokens_per_rank=capacity, cost=cost, policy=p, **kw)
+            for p in POLICIES
+        }  # fmt: skip
+        req = PlanRequest(lengths=lengths, num_microbatches=mbs, capacity=capacity, cost=cost, rules=rules)
+        assert schedule_mcore_fast(req).microbatches == plans["mcore"].microbatches == schedule_mcore(req).microbatches
+        span = {p: float(plan.loads(cost).max(axis=1).sum()) for p, plan in plans.items()}
+        assert span["hydra"] <= min(span["mcore"], span["static"]) * (1 + 1e-9)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     groups=st.lists(st.sampled_from([1, 2, 4, 8, 16]), min_size=1, max_size=12),

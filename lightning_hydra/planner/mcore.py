@@ -11,7 +11,8 @@ here from its description; it is our baseline, so it is deliberately *not* impro
   ranks; candidates above ``1.05 x tallest * capacity`` or over the per-rank token limit are rejected;
 - what does not fit waits for the next microbatch (so the plan may have more microbatches than asked);
 - ranks left empty are filled by doubling the first smallest group, shifting the groups after it; if that cannot
-  fill them, the microbatch becomes one group of the whole pool.
+  fill them, the microbatch becomes one group of the whole pool (where caps on the ring or the heads leave the pool
+  no group the engine can run, which Megatron never meets, the empty ranks idle instead).
 
 The one liberty taken: the per-rank scans are numpy vectorised rather than Python generator loops. They remain
 ``O(N)`` per candidate, so the comparison with hydra's ``O(log N)`` heaps is the honest one, and our timings of
@@ -112,9 +113,10 @@ def _fill_once(mb: _MB, sizes: list[int], world_size: int) -> bool:
 
 
 def _one_microbatch(
-    seqs: list[tuple[int, int]], sizes: list[int], world_size: int, capacity: int
+    seqs: list[tuple[int, int]], sizes: list[int], world_size: int, capacity: int, whole: bool = True
 ) -> tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]:
-    """Form one microbatch from ``seqs`` (``(id, length)``); return its groups and the leftovers."""
+    """Form one microbatch from ``seqs`` (``(id, length)``); return its groups and the leftovers (``whole``: see
+    :func:`_finish`)."""
     seqs = sorted(seqs, key=lambda s: -s[1])
     cap = float(seqs[0][1]) * float(capacity) * (1.0 + CAP_DELTA)
     mb = _MB(world_size)
@@ -146,17 +148,21 @@ def _one_microbatch(
         else:
             mb.add_to(best[2], seq)
 
-    return _finish(mb, seqs, leftovers, sizes, world_size, capacity)
+    return _finish(mb, seqs, leftovers, sizes, world_size, capacity, whole)
 
 
 def _finish(
     mb: _MB, seqs: list[tuple[int, int]], leftovers: list[tuple[int, int]], sizes: list[int], world_size: int,
-    capacity: int,
+    capacity: int, whole: bool = True,
 ) -> tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]:  # fmt: skip
     """Fill the microbatch's empty ranks as Megatron does and return its groups ``(start, size, sequence ids)`` and
-    the sequences that wait; if no fill works, one group of the whole pool packed from all of ``seqs``."""
+    the sequences that wait; if no fill works, one group of the whole pool packed from all of ``seqs``, or, where
+    the pool is no group (``whole`` false: ``max_ring`` or the heads rule its factoring out), the groups as they
+    are, the empty ranks idle (:func:`groups_of` covers them)."""
     while mb.next_free < world_size:
         if not _fill_once(mb, sizes, world_size):
+            if not whole:
+                break
             chosen, rest, packed = [], [], 0
             for seq in seqs:
                 if packed + shard_tokens(seq[1], world_size) <= capacity:
@@ -171,12 +177,20 @@ def _finish(
     return groups, leftovers
 
 
+def groups_of(req: PlanRequest, groups: list[tuple[int, int, list[int]]]) -> list[Group]:
+    """The :class:`Group` of every ``(start, size, sequence ids)`` of a microbatch, and idle groups on the ranks none
+    covers (only where the pool is no group: :func:`_finish`)."""
+    out = [req.group(start, size, ids) for start, size, ids in groups]
+    return out if sum(size for _, size, _ in groups) == req.world_size else req.fill_idle(out)
+
+
 def schedule_mcore(req: PlanRequest) -> Plan:
     """Megatron-Core Dynamic-CP placement; makes as many microbatches as its packing needs."""
     sizes = req.rules.degrees()
+    whole = req.rules.factor(req.world_size) is not None
     pending = [(i, int(length)) for i, length in enumerate(req.lengths)]
     microbatches: list[list[Group]] = []
     while pending:
-        groups, pending = _one_microbatch(pending, sizes, req.world_size, req.capacity)
-        microbatches.append([req.group(start, size, ids) for start, size, ids in groups])
+        groups, pending = _one_microbatch(pending, sizes, req.world_size, req.capacity, whole)
+        microbatches.append(groups_of(req, groups))
     return req.plan(microbatches, "mcore")

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lightning_hydra.planner.degrees import shard_tokens
-from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish
+from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish, groups_of
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
 
@@ -90,10 +90,11 @@ class _Batch:
 
 
 def _one_microbatch(
-    b: _Batch, pend: np.ndarray, sizes: list[int], world_size: int, capacity: int
+    b: _Batch, pend: np.ndarray, sizes: list[int], world_size: int, capacity: int, whole: bool = True
 ) -> tuple[list[tuple[int, int, list[int]]], np.ndarray]:
     """Form one microbatch from the waiting positions ``pend`` (ascending); return its groups ``(start, size, ids)``
-    and the positions that wait."""
+    and the positions that wait (``whole``: whether the pool is a group,
+    :func:`~lightning_hydra.planner.mcore._finish`)."""
     n = pend.size
     pos = pend.tolist()
     cap = float(b.lens[pos[0]]) * float(capacity) * (1.0 + CAP_DELTA)  # Megatron's cap on a rank's load
@@ -288,7 +289,7 @@ def _one_microbatch(
     mb.next_free = next_free
     seqs = [(b.id_list[p], b.lens[p]) for p in pos]
     leftovers = [seqs[i] for i in np.flatnonzero(~placed).tolist()]
-    groups, rest = _finish(mb, seqs, leftovers, sizes, world_size, capacity)
+    groups, rest = _finish(mb, seqs, leftovers, sizes, world_size, capacity, whole)
     position = {seq[0]: p for seq, p in zip(seqs, pos, strict=True)}
     return groups, np.asarray([position[i] for i, _ in rest], dtype=np.int64)
 
@@ -347,11 +348,12 @@ def schedule_mcore_fast(req: PlanRequest, stop: Stop | None = None) -> Plan | No
     """
     sizes = req.rules.degrees()
     batch = _Batch(req, sizes)
+    whole = req.rules.factor(req.world_size) is not None
     pend = np.arange(req.lengths.size, dtype=np.int64)
     microbatches: list[list[Group]] = []
     while pend.size:
-        groups, pend = _one_microbatch(batch, pend, sizes, req.world_size, req.capacity)
-        microbatches.append([req.group(start, size, ids) for start, size, ids in groups])
+        groups, pend = _one_microbatch(batch, pend, sizes, req.world_size, req.capacity, whole)
+        microbatches.append(groups_of(req, groups))
         if stop is not None and pend.size and stop(microbatches[-1], batch.ids[pend]):
             return None
     return req.plan(microbatches, "mcore")
