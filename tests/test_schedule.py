@@ -463,6 +463,8 @@ def test_digests_equal_across_processes() -> None:
         ({"num_microbatches": 1, "lengths": [4000] * 17}, PlanError, "infeasible num_microbatches"),
         ({"policy": "greedy"}, ValueError, "unknown policy"),
         ({"max_tokens_per_rank": 0}, ValueError, "positive"),
+        ({"max_seq_len": 1999}, ValueError, "sequence 1 has 2000 tokens, over max_seq_len=1999"),
+        ({"max_seq_len": -5}, ValueError, "over max_seq_len=-5"),
     ],
 )
 @pytest.mark.parametrize("policy", POLICIES)

@@ -83,7 +83,8 @@ def schedule(
         The plan; it has passed :meth:`Plan.check`.
 
     Raises:
-        ValueError: On malformed arguments (unknown policy, non-positive sizes, an empty batch).
+        ValueError: On malformed arguments (unknown policy, non-positive sizes, an empty batch, a sequence longer
+            than ``max_seq_len``).
         PlanError: When no valid plan exists (a sequence larger than the pool, heads no degree can split, too few
             microbatches for the batch's tokens).
     """
@@ -130,6 +131,12 @@ def schedule(
     if not degrees:
         raise PlanError(f"no degree of the pool can be factored as ulysses x ring for {num_heads} heads")
     longest = int(arr.max())
+    if max_seq_len is not None and not longest <= max_seq_len:
+        bad = int(np.argmax(arr))
+        raise ValueError(
+            f"sequence {bad} has {longest} tokens, over max_seq_len={max_seq_len}: the longest sequence the run "
+            "allows must hold every sequence of the batch (cut or drop longer ones before planning)"
+        )
     if rules.memory_min(longest, max_tokens_per_rank) is None:
         pool = degrees[-1] * max_tokens_per_rank
         raise PlanError(
