@@ -90,6 +90,17 @@ def test_bad_shape_is_rejected() -> None:
         CostModel.for_transformer(0, 2, 2)
 
 
+@pytest.mark.parametrize("field", ["intra_node_bandwidth", "inter_node_bandwidth", "intra_node_ring_bandwidth"])
+@pytest.mark.parametrize("value", [0.0, -1e9, float("nan")])
+def test_a_link_without_bandwidth_is_rejected(cost: CostModel, field: str, value: float) -> None:
+    # a zero bandwidth gave NaN even for bins that never use the link (0 bytes / 0 B/s), found by fuzzing
+    with pytest.raises(ValueError, match=field):
+        cost.replace(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        CostModel.from_dict({**cost.to_dict(), field: value})
+    assert cost.replace(**{field: float("inf")}).bin_time([1000], 1, 1) == cost.bin_time([1000], 1, 1)
+
+
 def test_splitting_below_a_kernel_tile_buys_no_speed(cost: CostModel) -> None:
     tile = cost.min_chunk_tokens
     # 1024 tokens: compute keeps shrinking down to 128 tokens per rank (degree 8), then stops

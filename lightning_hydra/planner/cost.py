@@ -183,6 +183,16 @@ class CostModel:
             min_chunk_tokens=min_chunk_tokens,
         )
 
+    def __post_init__(self) -> None:
+        """Refuse a link without bandwidth (zero, negative or NaN: every prediction would be NaN) and a negative
+        node size."""
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth", "intra_node_ring_bandwidth"):
+            value = getattr(self, name)
+            if not value > 0:  # NaN too
+                raise ValueError(f"{name} must be positive bytes per second (inf: a free link), got {value}")
+        if self.ranks_per_node < 0:
+            raise ValueError(f"ranks_per_node must be non-negative (0: unknown), got {self.ranks_per_node}")
+
     def replace(self, **changes: float) -> CostModel:
         """Return a copy with some coefficients changed (for example after a refit)."""
         return dataclasses.replace(self, **changes)
