@@ -133,6 +133,24 @@ def test_calibrator_guards():
     assert cal.refit(COST) is COST and cal.skipped == 1
 
 
+def test_rows_that_are_no_measurement_are_left_out_of_the_fit():
+    """A time below a nanosecond, NaN or infinite (a timer's zero or garbage), in ``times`` or ``comm``, is left out
+    like an idle rank's row: the refit is the one without those rows (a time of 1e-150 s overflowed the normal
+    equations and raised ``LinAlgError``: found by fuzzing)."""
+    rng = np.random.default_rng(5)
+    true = COST.replace(seq_overhead=2e-4)
+    feats, times = _synthetic(true, rng, noise=0.02)
+    comm = np.full(times.size, 1e-4)
+    clean = CostCalibrator()
+    clean.add(feats, times, includes_comm=False, comm=comm)
+    for bad_time, bad_comm in ((1e-150, 1e-4), (np.nan, 1e-4), (np.inf, 1e-4), (1e-3, np.nan), (1e-3, np.inf)):
+        cal = CostCalibrator()
+        cal.add(
+            np.concatenate([feats, feats[:1]]), np.r_[times, bad_time], includes_comm=False, comm=np.r_[comm, bad_comm]
+        )
+        assert cal.refit(COST) == clean.refit(COST)
+
+
 def test_a_refinement_the_window_cannot_tell_apart_keeps_its_coefficient():
     """Every measured bin has ``u > 1``: the all-to-all latency's column is the fixed cost's, so the fixed cost goes
     to ``bin_overhead`` (bins with ``u = 1`` pay it too, as far as anything measured says) and ``a2a_latency`` keeps

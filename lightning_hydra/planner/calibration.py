@@ -92,6 +92,10 @@ BUSY = np.arange(7)
 COMM = np.arange(7, NUM_FEATURES)
 """Feature columns of bandwidth-bound communication (what a thread timer does not see)."""
 _POSITIVE = np.isin(np.arange(NUM_FEATURES), (0, 1, 7))  # rates: attn, linear, seconds per all-to-all byte
+_MIN_SECONDS = 1e-9
+"""Shortest measured time (of a row's busy time or its communication) that counts as a measurement: a timer's zero
+or garbage below a nanosecond is dropped like an idle row (each equation is divided by its time, and a time of
+1e-150 s overflowed the normal equations)."""
 REFINEMENTS = (2, 3, 5, 6)
 """Feature columns that refine a more general one: the per-sequence cost (``seq_overhead``), the all-to-all and
 ring-step latencies (``a2a_latency``, ``p2p_latency``) split the per-microbatch fixed cost (``bin_overhead``) by
@@ -275,7 +279,9 @@ class CostCalibrator:
 
         Args:
             features: ``[n, NUM_FEATURES]`` rows from :func:`bin_features` (one per rank and microbatch).
-            times: ``[n]`` measured seconds of each row: the microbatch's busy time on that rank.
+            times: ``[n]`` measured seconds of each row: the microbatch's busy time on that rank. Rows of an idle
+                rank (no work) and rows whose time (or ``comm``) is not a finite measurement of at least a
+                nanosecond are left out of the fit.
             includes_comm: Whether ``times`` include the time spent in CP communication (CUDA events around the
                 whole microbatch: ``True``; a CPU thread timer: ``False``).
             comm: Optional ``[n]`` wall seconds the rank spent *inside CP collectives* in that microbatch (the
@@ -288,7 +294,9 @@ class CostCalibrator:
         c = None if comm is None else np.asarray(comm, dtype=np.float64).ravel()
         if c is not None and c.shape != t.shape:
             raise ValueError(f"comm has {c.size} rows, times has {t.size}")
-        busy = (t > 0) & (f[:, 2] > 0)
+        busy = np.isfinite(t) & (t >= _MIN_SECONDS) & (f[:, 2] > 0)
+        if c is not None:
+            busy &= np.isfinite(c)
         if c is not None and includes_comm:
             t = t - c  # the thread's own work; the communication is fitted from ``comm``
         self._rows.append((f[busy], t[busy], None if c is None else c[busy], bool(includes_comm and c is None)))
@@ -311,14 +319,14 @@ class CostCalibrator:
             eqs.append(busy)
             rhs.append(t)
             if c is not None:
-                keep = c > 0
+                keep = c >= _MIN_SECONDS
                 only = np.zeros_like(f[keep])
                 only[:, COMM] = f[keep][:, COMM]
                 eqs.append(only)
                 rhs.append(c[keep])
         a = np.concatenate(eqs) if eqs else np.zeros((0, NUM_FEATURES))
         b = np.concatenate(rhs) if rhs else np.zeros(0)
-        ok = b > 0
+        ok = b >= _MIN_SECONDS  # the thread's own time (``times - comm``) may fall below
         return a[ok] / b[ok, None], np.ones(int(ok.sum()))
 
     def refit(self, cost: CostModel) -> CostModel:
