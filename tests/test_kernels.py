@@ -144,6 +144,20 @@ def test_aten_schema_check() -> None:
         check_aten_schemas(changed, older)
 
 
+def test_float64_is_refused_before_any_work() -> None:
+    """The log-sum-exp, the ring's merges and dK/dV sums are float32; float64 activations crashed in the CPU op's
+    backward at every degree and in the forward merge at ring degree 2 and up (found by fuzzing the engine). They
+    are refused up front; float32 runs."""
+    from lightning_hydra.cp import hydra_attn_func
+
+    q = torch.randn(10, 2, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float32 or lower"):
+        hydra_attn_func(q, q, q, [0, 4, 10], group=CPGroup((0,), 1, 1))
+    q32 = q.float().requires_grad_()
+    hydra_attn_func(q32, q32, q32, [0, 4, 10], group=CPGroup((0,), 1, 1)).sum().backward()
+    assert q32.grad is not None and torch.isfinite(q32.grad).all()
+
+
 def test_kernel_names_and_selection() -> None:
     assert KERNEL_NAMES == ("auto", "cpu", "torch", "flash")
     cpu = torch.device("cpu")

@@ -37,7 +37,10 @@ from lightning_hydra.cp.blocks import Accumulator, Segments, merge_rows, write_r
 
 __all__ = ["CpuKernel", "CpuRun", "CpuStep"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Activation dtypes the CPU path runs. Not float64: the log-sum-exp and the ring's merges and dK/dV sums are float32
+by design (:mod:`lightning_hydra.cp.ring`), and the op's backward refuses a float32 log-sum-exp beside float64
+activations (float64 crashed there at every degree, and in the forward merge at ring degree 2 and up)."""
 _COMBINE_WASTE = 512
 """A gathered sequence's two local chunks go in one call (masked keys computed for nothing: ``(2r - 1) C^2`` per
 head) while that waste is below about one call's fixed cost per head (measured: ~2 us, ~300-500 score elements)."""
@@ -215,7 +218,10 @@ class CpuKernel:
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise ``TypeError`` unless the CPU op supports ``dtype``."""
         if dtype not in _DTYPES:
-            raise TypeError(f"the cpu attention kernel takes {_DTYPES}, not {dtype}")
+            raise TypeError(
+                f"the cpu attention kernel takes {', '.join(map(str, _DTYPES))}, not {dtype} (merges and the "
+                "log-sum-exp are float32: run the model in float32 or lower)"
+            )
 
     def prepare(self, seg: Segments, *, heads: int, kv_heads: int, device: torch.device) -> CpuStep:
         """The runs of one step (host bookkeeping only: the op reads views)."""
