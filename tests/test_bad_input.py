@@ -77,6 +77,31 @@ def test_datasets_of_lists_arrays_and_dicts_are_accepted() -> None:
     assert [source.item(i).tolist() for i in range(4)] == [[1, 2, 3], [0, 1, 2, 3], [5, 6], [7]]
 
 
+@pytest.mark.parametrize("truncate", [False, True])
+def test_an_item_that_disagrees_with_its_recorded_length_is_an_error(truncate: bool) -> None:
+    """``lengths()`` says 12 and 10 tokens, the items hold 5 and 15: planned by the claimed lengths and packed from
+    the real items, the step would train other tokens than it counts. With ``truncate`` the check used to be
+    skipped (found by fuzzing); both are cut to ``max_seq_len`` before they are compared."""
+
+    class Lying(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.arange(1, (5, 15)[i] + 1)
+
+        def lengths(self) -> list[int]:
+            return [12, 10]
+
+    source = _Source(Lying(), "train", max_seq_len=20, truncate=truncate)
+    with pytest.raises(ValueError, match=r"train item 0 has 5 tokens.*recorded length is 12"):
+        source.item(0)
+    cut = _Source(Lying(), "train", max_seq_len=8, truncate=True)  # 15 and 10 tokens, both cut to 8: the same
+    assert cut.item(1).numel() == 8
+    with pytest.raises(ValueError, match=r"has 5 tokens \(5 once cut to max_seq_len=8\).*recorded length is 8"):
+        cut.item(0)
+
+
 def _digest_worker(rank: int, world: int) -> str:
     digest = "ab" * 32 if rank != 1 else "cd" * 32
     try:

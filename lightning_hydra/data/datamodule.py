@@ -115,11 +115,13 @@ class _Source:
         """Item ``index`` as a 1-D long tensor (cut to ``max_seq_len`` when truncating), its length and token ids
         checked (``ValueError``: this rank read a sequence that disagrees with its recorded length or vocabulary)."""
         t = _as_tensor(self.dataset[index])
-        if self.max_seq_len is None and t.numel() != self.lengths[index]:
-            raise ValueError(
-                f"{self.name} item {index} has {t.numel()} tokens, but its recorded length is {self.lengths[index]}"
-            )
+        read = t.numel()
         t = t[: self.max_seq_len] if self.max_seq_len else t
+        if t.numel() != self.lengths[index]:  # when truncating, both are cut to max_seq_len
+            cut = f" ({t.numel()} once cut to max_seq_len={self.max_seq_len})" if self.max_seq_len else ""
+            raise ValueError(
+                f"{self.name} item {index} has {read} tokens{cut}, but its recorded length is {self.lengths[index]}"
+            )
         if self.vocab_size is not None and t.numel():
             low, high = int(t.min()), int(t.max())
             if low < 0 or high >= self.vocab_size:
