@@ -465,6 +465,10 @@ def test_digests_equal_across_processes() -> None:
         ({"max_tokens_per_rank": 0}, ValueError, "positive"),
         ({"max_seq_len": 1999}, ValueError, "sequence 1 has 2000 tokens, over max_seq_len=1999"),
         ({"max_seq_len": -5}, ValueError, "over max_seq_len=-5"),
+        ({"num_microbatches": float("nan")}, ValueError, "num_microbatches must be an integer"),  # looped for ever
+        ({"world_size": 16.5}, ValueError, "world_size must be an integer"),
+        ({"max_tokens_per_rank": True}, ValueError, "max_tokens_per_rank must be an integer"),
+        ({"num_heads": "32"}, ValueError, "num_heads must be an integer"),
     ],
 )
 @pytest.mark.parametrize("policy", POLICIES)

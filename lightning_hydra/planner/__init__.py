@@ -6,6 +6,7 @@ same :class:`Plan` (compare :meth:`Plan.digest` to be sure).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -90,6 +91,21 @@ def schedule(
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+    world_size, num_microbatches, max_tokens_per_rank, ranks_per_node, pipeline_stages = (
+        _count(name, value)
+        for name, value in (
+            ("world_size", world_size), ("num_microbatches", num_microbatches),
+            ("max_tokens_per_rank", max_tokens_per_rank), ("ranks_per_node", ranks_per_node),
+            ("pipeline_stages", pipeline_stages),
+        )
+    )  # fmt: skip
+    num_heads, num_kv_heads, max_ulysses, max_ring, max_seq_len = (
+        None if value is None else _count(name, value)
+        for name, value in (
+            ("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("max_ulysses", max_ulysses),
+            ("max_ring", max_ring), ("max_seq_len", max_seq_len),
+        )
+    )  # fmt: skip
     arr = np.asarray(lengths)
     if arr.ndim != 1 or arr.size == 0:
         raise ValueError("the batch is empty: schedule needs at least one sequence length")
@@ -163,3 +179,13 @@ def schedule(
     plan = POLICIES[policy](req)
     plan.check(arr.tolist(), max_tokens_per_rank)
     return plan
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as an int: an int, a numpy integer or an integral float (``ValueError`` otherwise: a NaN number of
+    microbatches made the planner loop for ever, found by fuzzing)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer | float | np.floating):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, float | np.floating) and not (math.isfinite(value) and value == int(value)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
