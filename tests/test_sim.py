@@ -111,6 +111,26 @@ def test_scenario_errors_are_clear(tmp_path):
         load_scenario(bad)
 
 
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ({"workload.context": 0}, "workload.context must be a positive number, got 0"),  # drew empty batches for ever
+        ({"steps": -1}, "steps must be a positive number"),
+        ({"hardware.peak_flops": float("nan")}, "hardware.peak_flops must be a positive number, got nan"),
+        ({"hardware.seq_overhead": -1e-6}, "hardware.seq_overhead must be a non-negative number"),
+        ({"job.num_microbatches": 0}, "job.num_microbatches must be a positive number"),
+        ({"workload.global_batch_tokens": 0}, "global_batch_tokens must be a positive integer"),
+        ({"calibrate": "often"}, "calibrate must be true or false"),
+        ({"analytic_efficiency": -1.0}, "analytic_efficiency must be a positive number"),
+    ],
+)
+def test_scenario_values_out_of_range_are_clear_errors(override: dict, match: str) -> None:
+    """A value no run could have is refused where the recipe is read, not met as a hang or a table of nonsense
+    (found by fuzzing the simulator's recipes)."""
+    with pytest.raises(ValueError, match=match):
+        load_scenario(RECIPES / "sim-cpu-demo.yaml", **override)
+
+
 @pytest.mark.parametrize("recipe", SIM_RECIPES, ids=lambda p: p.stem)
 def test_scenario_recipe_runs_at_reduced_size(recipe, capsys):
     scenario = load_scenario(recipe)

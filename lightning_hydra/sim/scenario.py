@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,42 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     return cls(**out)
 
 
+_POSITIVE = {
+    "hardware": ("peak_flops", "gemm_efficiency", "attn_efficiency", "intra_node_bandwidth", "inter_node_bandwidth",
+                 "gpus_per_node", "memory_bytes"),
+    "job": ("gpus", "tp", "pp", "max_tokens_per_rank", "num_microbatches", "projected_stages",
+            "state_bytes_per_param"),
+    "workload": ("context", "fill", "corpus_max_bytes"),
+    "": ("steps", "analytic_efficiency"),
+}  # fmt: skip
+"""Fields that must be finite and positive (a context of 0 drew empty batches for ever, a negative peak printed a
+table of nonsense)."""
+_NON_NEGATIVE = {
+    "hardware": ("gemm_half_tokens", "attn_half_len", "layer_overhead", "seq_overhead", "ring_step_overhead",
+                 "attn_tile_tokens"),
+}  # fmt: skip
+"""Fields that must be finite and at least 0."""
+
+
+def _check_ranges(scenario: Scenario, where: str) -> None:
+    """``ValueError`` naming the first field of ``scenario`` out of its range (:data:`_POSITIVE`,
+    :data:`_NON_NEGATIVE`), a ``calibrate`` that is not a boolean or a ``global_batch_tokens`` below 1."""
+    for bounds, low in ((_POSITIVE, "positive"), (_NON_NEGATIVE, "non-negative")):
+        for section, names in bounds.items():
+            owner = getattr(scenario, section) if section else scenario
+            for name in names:
+                value = getattr(owner, name)
+                number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                if not number or (value <= 0 if low == "positive" else value < 0):
+                    label = f"{section}.{name}" if section else name
+                    raise ValueError(f"{where}: {label} must be a {low} number, got {value!r}")
+    if not isinstance(scenario.calibrate, bool):
+        raise ValueError(f"{where}: calibrate must be true or false, got {scenario.calibrate!r}")
+    tokens = scenario.workload.global_batch_tokens
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"{where}: workload.global_batch_tokens must be a positive integer, got {tokens!r}")
+
+
 def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
     """Read a ``sim-*.yaml`` recipe.
 
@@ -166,6 +203,7 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
         },
         str(path),
     )
+    _check_ranges(scenario, str(path))
     job = scenario.job
     if scenario.engine not in ENGINES:
         raise ValueError(f"{path}: unknown engine {scenario.engine!r} (known: {sorted(ENGINES)})")
