@@ -102,6 +102,18 @@ def test_an_item_that_disagrees_with_its_recorded_length_is_an_error(truncate: b
         cut.item(0)
 
 
+def test_token_ids_that_are_not_integers_are_an_error() -> None:
+    """A cast would train other ids than the data holds (1.7 as 1, NaN as the most negative id): floats that are not
+    whole numbers, booleans and complex numbers are refused, naming the item (found by fuzzing); whole floats are
+    taken as the ids they are."""
+    import numpy as np
+
+    for item in ([1.7, 2.2, 3.9], torch.tensor([0.5, 255.9]), torch.tensor([True, False]), np.array([1 + 2j, 3])):
+        with pytest.raises(ValueError, match="train item 0: every dataset item must hold integer token ids"):
+            _Source([item], "train", None, False).item(0)
+    assert _Source([np.array([3.0, 7.0])], "train", None, False).item(0).tolist() == [3, 7]
+
+
 def _digest_worker(rank: int, world: int) -> str:
     digest = "ab" * 32 if rank != 1 else "cd" * 32
     try:

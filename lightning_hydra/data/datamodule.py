@@ -37,6 +37,11 @@ def _as_tensor(item: Any) -> torch.Tensor:
     t = torch.as_tensor(np.asarray(item) if not isinstance(item, torch.Tensor) else item)
     if t.dim() != 1:
         raise ValueError(f"every dataset item must be a 1-D sequence of token ids, got shape {tuple(t.shape)}")
+    if t.is_complex() or t.dtype == torch.bool or (t.is_floating_point() and not bool((t == t.trunc()).all())):
+        # a cast would train other ids than the data holds (1.7 as 1, NaN as the most negative id)
+        raise ValueError(
+            f"every dataset item must hold integer token ids, got {t.dtype} values such as {t[:3].tolist()}"
+        )
     return t.long()
 
 
@@ -114,7 +119,10 @@ class _Source:
     def item(self, index: int) -> torch.Tensor:
         """Item ``index`` as a 1-D long tensor (cut to ``max_seq_len`` when truncating), its length and token ids
         checked (``ValueError``: this rank read a sequence that disagrees with its recorded length or vocabulary)."""
-        t = _as_tensor(self.dataset[index])
+        try:
+            t = _as_tensor(self.dataset[index])
+        except ValueError as exc:
+            raise ValueError(f"{self.name} item {index}: {exc}") from None
         read = t.numel()
         t = t[: self.max_seq_len] if self.max_seq_len else t
         if t.numel() != self.lengths[index]:  # when truncating, both are cut to max_seq_len
