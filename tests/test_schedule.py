@@ -469,6 +469,8 @@ def test_digests_equal_across_processes() -> None:
         ({"world_size": 16.5}, ValueError, "world_size must be an integer"),
         ({"max_tokens_per_rank": True}, ValueError, "max_tokens_per_rank must be an integer"),
         ({"num_heads": "32"}, ValueError, "num_heads must be an integer"),
+        ({"max_ring": 0}, ValueError, "max_ring must be at least 1"),
+        ({"max_ulysses": -1}, ValueError, "max_ulysses must be at least 1"),
     ],
 )
 @pytest.mark.parametrize("policy", POLICIES)

@@ -109,6 +109,9 @@ def test_scenario_errors_are_clear(tmp_path):
     bad.write_text(text.replace("  pp: 1", "  pp: 1\n  bogus: 2"))
     with pytest.raises(ValueError, match="unknown keys"):
         load_scenario(bad)
+    bad.write_text("name: x\nsteps: 2\n")
+    with pytest.raises(ValueError, match=r"sections \['hardware', 'model', 'job'\] are missing"):
+        load_scenario(bad)
 
 
 @pytest.mark.parametrize(
@@ -122,6 +125,11 @@ def test_scenario_errors_are_clear(tmp_path):
         ({"workload.global_batch_tokens": 0}, "global_batch_tokens must be a positive integer"),
         ({"calibrate": "often"}, "calibrate must be true or false"),
         ({"analytic_efficiency": -1.0}, "analytic_efficiency must be a positive number"),
+        ({"steps": 1.5}, "steps must be a non-negative integer"),
+        ({"seed": -1}, "seed must be a non-negative integer"),
+        ({"policies": "hydra"}, "policies must be a non-empty list"),
+        ({"policies": []}, "policies must be a non-empty list"),
+        ({"workload.distribution": "zipf"}, "unknown workload.distribution 'zipf'"),
     ],
 )
 def test_scenario_values_out_of_range_are_clear_errors(override: dict, match: str) -> None:

@@ -133,6 +133,9 @@ def schedule(
         raise ValueError(f"world_size {world_size} is not a multiple of ranks_per_node {ranks_per_node}")
     if num_heads is not None and num_heads < 1:
         raise ValueError(f"num_heads must be positive, got {num_heads}")
+    for name, cap in (("max_ulysses", max_ulysses), ("max_ring", max_ring)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{name} must be at least 1 (None: no cap), got {cap}")
     if num_kv_heads is not None and (num_heads is None or num_kv_heads < 1 or num_heads % num_kv_heads):
         raise ValueError(f"num_kv_heads={num_kv_heads} must be positive and divide num_heads={num_heads}")
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from lightning_hydra.bench.batches import DISTRIBUTIONS
 from lightning_hydra.planner import CostModel
 from lightning_hydra.sim.hardware import PRESETS, Hardware, ModelShape
 from lightning_hydra.sim.truth import ENGINES
@@ -163,6 +164,16 @@ def _check_ranges(scenario: Scenario, where: str) -> None:
                     raise ValueError(f"{where}: {label} must be a {low} number, got {value!r}")
     if not isinstance(scenario.calibrate, bool):
         raise ValueError(f"{where}: calibrate must be true or false, got {scenario.calibrate!r}")
+    for name in ("steps", "seed"):
+        value = getattr(scenario, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: {name} must be a non-negative integer, got {value!r}")
+    policies = scenario.policies
+    if not isinstance(policies, list) or not policies or any(p not in ("static", "mcore", "hydra") for p in policies):
+        raise ValueError(f"{where}: policies must be a non-empty list of static, mcore and hydra, got {policies!r}")
+    if scenario.workload.distribution not in (*DISTRIBUTIONS, "corpus"):
+        known = sorted((*DISTRIBUTIONS, "corpus"))
+        raise ValueError(f"{where}: unknown workload.distribution {scenario.workload.distribution!r} (known: {known})")
     tokens = scenario.workload.global_batch_tokens
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
         raise ValueError(f"{where}: workload.global_batch_tokens must be a positive integer, got {tokens!r}")
@@ -178,6 +189,9 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
     raw = yaml.safe_load(Path(path).read_text())
     if not isinstance(raw, dict):
         raise ValueError(f"{path} is not a scenario mapping")
+    missing = [section for section in ("hardware", "model", "job") if not isinstance(raw.get(section), dict)]
+    if missing:
+        raise ValueError(f"{path}: the sections {missing} are missing (each a mapping)")
     for key, value in overrides.items():
         if value is None:
             continue
