@@ -186,7 +186,8 @@ def schedule(
 
 def _count(name: str, value: object) -> int:
     """``value`` as an int: an int, a numpy integer or an integral float (``ValueError`` otherwise: a NaN number of
-    microbatches made the planner loop for ever, found by fuzzing)."""
+    microbatches made the planner loop for ever, found by fuzzing). Not :func:`lightning_hydra.errors.check_int`:
+    ``schedule`` has always taken whole floats and documents ``ValueError`` for malformed arguments."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer | float | np.floating):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if isinstance(value, float | np.floating) and not (math.isfinite(value) and value == int(value)):

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from lightning_hydra.bench.batches import DISTRIBUTIONS
-from lightning_hydra.planner import CostModel
+from lightning_hydra.planner import POLICIES, CostModel
 from lightning_hydra.sim.hardware import PRESETS, Hardware, ModelShape
 from lightning_hydra.sim.truth import ENGINES
 
@@ -169,7 +169,7 @@ def _check_ranges(scenario: Scenario, where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where}: {name} must be a non-negative integer, got {value!r}")
     policies = scenario.policies
-    if not isinstance(policies, list) or not policies or any(p not in ("static", "mcore", "hydra") for p in policies):
+    if not isinstance(policies, list) or not policies or any(p not in POLICIES for p in policies):
         raise ValueError(f"{where}: policies must be a non-empty list of static, mcore and hydra, got {policies!r}")
     if scenario.workload.distribution not in (*DISTRIBUTIONS, "corpus"):
         known = sorted((*DISTRIBUTIONS, "corpus"))
