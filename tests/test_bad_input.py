@@ -8,6 +8,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.data.datamodule import _Source
+from lightning_hydra.errors import ConfigError
 from lightning_hydra.strategy import check_digests, check_pool
 from lightning_hydra.testing import run_world
 
@@ -112,6 +113,66 @@ def test_token_ids_that_are_not_integers_are_an_error() -> None:
         with pytest.raises(ValueError, match="train item 0: every dataset item must hold integer token ids"):
             _Source([item], "train", None, False).item(0)
     assert _Source([np.array([3.0, 7.0])], "train", None, False).item(0).tolist() == [3, 7]
+
+
+@pytest.mark.parametrize(
+    ("item", "match"),
+    [
+        (5, "item 1: every dataset item must be a 1-D sequence of token ids .* got a value of type int"),
+        ("def f(): pass", r"item 1: the item holds text \(str\), not token ids: tokenize the dataset first"),
+        (b"\x00\x01", r"item 1: the item holds text \(bytes\)"),
+        (None, "item 1: .* got a value of type NoneType"),
+        (torch.tensor(5), r"item 1: every dataset item must be a 1-D sequence of token ids, got shape \(\)"),
+        ({"ids": [1, 2]}, "item 1: a dict item must hold its token ids under 'input_ids', got keys 'ids'"),
+    ],
+)
+def test_an_item_that_holds_no_token_ids_is_a_clear_error(item: object, match: str) -> None:
+    """Found by fuzzing: such items failed in ``len()``, numpy or a dict lookup with a raw error naming neither the
+    item nor the fix. Now the scan of lengths (a ``ConfigError``) and the read at a step (with ``lengths()`` given,
+    a ``ValueError``) name the split, the item and what it holds."""
+    data = [[1, 2], item]  # an int item: a flat list of ints given as the dataset
+    with pytest.raises(ConfigError, match="the train dataset's " + match):
+        _Source(data, "train", None, False)
+    with pytest.raises(ValueError, match="train " + match):
+        _Source(data, "train", None, False, lengths=[2, 2]).item(1)
+    with pytest.raises(ValueError, match=r"train item 0: every dataset item must be a 1-D sequence of token ids \("):
+        _Source([[[1, 2], [3]]], "train", None, False).item(0)  # ragged nesting: found at the read (len() is 2)
+
+
+class _Gloo:
+    """What :class:`_Source` asks of the runtime to share the scan: this rank, the world, and the real gather."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        import torch.distributed as dist
+
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def _scan_worker(rank: int, world: int) -> str:
+    data = [[1, 2, 3]] * 7
+    data[5] = "tokenize me"  # read by rank 5 % world only
+    try:
+        _Source(data, "train", None, False, runtime=_Gloo())
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_bad_item_one_rank_scans_stops_every_rank_with_its_message() -> None:
+    """The pool shares the scan of lengths; a rank that failed on its items used to raise while the others waited in
+    the gather for it (a hang until the collective's timeout). Now every rank raises the failing rank's message."""
+    for message in run_world(3, _scan_worker, timeout=120):
+        assert message == (
+            "the train dataset's item 5: the item holds text (str), not token ids: tokenize the dataset first "
+            "(read by rank 2)"
+        )
 
 
 def _digest_worker(rank: int, world: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +30,33 @@ __all__ = ["HydraDataModule", "PendingStep", "model_vocab_size", "resolve", "sca
 log = logging.getLogger(__name__)
 
 
+def _token_ids(item: Any) -> Any:
+    """The token ids a dataset item holds: the item itself (a list, tensor or array) or its ``input_ids`` entry;
+    ``ValueError`` saying what the item is where it holds none."""
+    if isinstance(item, Mapping):
+        if "input_ids" not in item:
+            keys = ", ".join(repr(k) for k in list(item)[:5])
+            raise ValueError(f"a dict item must hold its token ids under 'input_ids', got keys {keys or 'none'}")
+        item = item["input_ids"]
+    if isinstance(item, str | bytes | bytearray):
+        raise ValueError(f"the item holds text ({type(item).__name__}), not token ids: tokenize the dataset first")
+    if isinstance(item, torch.Tensor | np.ndarray) and item.ndim != 1:
+        raise ValueError(f"every dataset item must be a 1-D sequence of token ids, got shape {tuple(item.shape)}")
+    if not hasattr(item, "__len__"):
+        raise ValueError(
+            f"every dataset item must be a 1-D sequence of token ids (or a dict with 'input_ids'), got a value of type "
+            f"{type(item).__name__}"
+        )
+    return item
+
+
 def _as_tensor(item: Any) -> torch.Tensor:
     """A dataset item as a 1-D long tensor (tensors, lists, numpy arrays, or a dict with ``input_ids``)."""
-    if isinstance(item, dict):
-        item = item["input_ids"]
-    t = torch.as_tensor(np.asarray(item) if not isinstance(item, torch.Tensor) else item)
+    item = _token_ids(item)
+    try:
+        t = torch.as_tensor(np.asarray(item) if not isinstance(item, torch.Tensor) else item)
+    except (TypeError, ValueError) as exc:  # ragged nesting, None or objects among the ids
+        raise ValueError(f"every dataset item must be a 1-D sequence of token ids ({exc})") from None
     if t.dim() != 1:
         raise ValueError(f"every dataset item must be a 1-D sequence of token ids, got shape {tuple(t.shape)}")
     if t.is_complex() or t.dtype == torch.bool or (t.is_floating_point() and not bool((t == t.trunc()).all())):
@@ -45,15 +67,16 @@ def _as_tensor(item: Any) -> torch.Tensor:
     return t.long()
 
 
-def _item_length(item: Any) -> int:
-    if isinstance(item, dict):
-        item = item["input_ids"]
-    return len(item)
-
-
 def scan_lengths(dataset: Any, rank: int = 0, world_size: int = 1) -> dict[int, int]:
-    """Lengths of the items ``rank, rank + world_size, ...`` of ``dataset``, each item read once."""
-    return {i: _item_length(dataset[i]) for i in range(rank, len(dataset), world_size)}
+    """Lengths of the items ``rank, rank + world_size, ...`` of ``dataset``, each item read once (``ValueError``
+    naming the first item that holds no token ids)."""
+    found = {}
+    for i in range(rank, len(dataset), world_size):
+        try:
+            found[i] = len(_token_ids(dataset[i]))
+        except ValueError as exc:
+            raise ValueError(f"item {i}: {exc}") from None
+    return found
 
 
 def model_vocab_size(module: Any) -> int | None:
@@ -103,14 +126,7 @@ class _Source:
         if lengths is None and hasattr(dataset, "lengths"):
             lengths = dataset.lengths()
         if lengths is None:
-            rank, world = (runtime.global_rank, runtime.world_size) if runtime is not None else (0, 1)
-            found = scan_lengths(dataset, rank, world)
-            if world > 1:
-                merged: dict[int, int] = {}
-                for part in runtime.all_gather_object(found):
-                    merged.update(part)
-                found = merged
-            lengths = [found[i] for i in range(len(dataset))]
+            lengths = _scan(dataset, name, runtime)
         self.max_seq_len = max_seq_len if truncate else None
         self.lengths = _checked_lengths(lengths, len(dataset), name, max_seq_len, truncate)
         self.vocab_size: int | None = None
@@ -140,6 +156,36 @@ class _Source:
                     "the model a larger vocab_size"
                 )
         return t
+
+
+def _scan(dataset: Any, name: str, runtime: Any) -> list[int]:
+    """Every item's length, the pool sharing the reads. An item that holds no token ids (or a read that fails) is a
+    :class:`~lightning_hydra.errors.ConfigError` on every rank, naming the item and the rank that read it: the other
+    ranks do not wait in the gather for a rank that has gone."""
+    rank, world = (runtime.global_rank, runtime.world_size) if runtime is not None else (0, 1)
+    try:
+        found, error = scan_lengths(dataset, rank, world), None
+    except Exception as exc:  # whatever the read raised, every rank must hear of it
+        found, error = {}, exc
+    if world == 1:
+        if isinstance(error, ValueError):
+            raise ConfigError(f"the {name} dataset's {error}") from error
+        if error is not None:
+            raise error  # the dataset's own failure, as it raised it
+        return [found[i] for i in range(len(dataset))]
+    parts = runtime.all_gather_object((found, None if error is None else _said(error)))
+    failed = [(r, said) for r, (_, said) in enumerate(parts) if said is not None]
+    if failed:
+        raise ConfigError(f"the {name} dataset's {failed[0][1]} (read by rank {failed[0][0]})") from error
+    merged: dict[int, int] = {}
+    for part, _ in parts:
+        merged.update(part)
+    return [merged[i] for i in range(len(dataset))]
+
+
+def _said(error: BaseException) -> str:
+    """An error's message (``ValueError``: ours, naming the item) or, for anything else a read raised, its repr."""
+    return str(error) if isinstance(error, ValueError) else f"read failed: {error!r}"
 
 
 def _checked_lengths(lengths: Any, size: int, name: str, max_seq_len: int | None, truncate: bool) -> np.ndarray:
