@@ -249,6 +249,43 @@ def test_bubble_monitor_checks_its_arguments(kwargs, error, match) -> None:
         BubbleMonitor(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lr": float("nan")}, ValueError, "lr=nan is out of range"),
+        ({"lr": -1e-3}, ValueError, "lr=-0.001 is out of range"),
+        ({"weight_decay": float("inf")}, ValueError, "weight_decay=inf"),
+        ({"warmup_steps": 1.5}, TypeError, "warmup_steps must be an integer"),
+        ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm=0.0 is out of range"),
+        ({"flops_per_second": 0}, ValueError, "flops_per_second=0.0 is out of range"),
+        ({"num_layers": 0}, ValueError, "num_layers=0 is out of range"),
+        ({"vocab_size": 2.5}, TypeError, "vocab_size must be an integer"),
+        ({"hidden_size": 30}, ValueError, "num_heads=8 must divide hidden_size=30"),
+        ({"num_kv_heads": 3}, ValueError, "num_kv_heads=3 must divide num_heads"),
+        ({"ffn_hidden_size": -64}, ValueError, "ffn_hidden_size=-64"),
+        ({"norm_eps": 0.0}, ValueError, "norm_eps=0.0"),
+    ],
+)
+def test_decoder_checks_its_arguments_at_construction(kwargs, error, match) -> None:
+    """The command line builds the model before it starts the ranks; a setting the optimizer or the cost model
+    refuses later (a NaN learning rate, no layers) was reported once per rank after launch (found by fuzzing)."""
+    with pytest.raises(error, match=match):
+        DecoderLM(**kwargs)
+
+
+def test_module_checks_betas_and_keeps_the_flop_rate_it_is_given() -> None:
+    """``DecoderLM`` dropped its ``flops_per_second`` (its default cost model always assumed 20 GFLOP/s)."""
+    from lightning_hydra.models.module import HydraModule
+
+    for betas, match in (((0.9, 1.0), r"betas\[1\]=1.0 is out of range"), ((0.9,), "betas must be two numbers")):
+        with pytest.raises(ValueError, match=match):
+            HydraModule(betas=betas)
+    shape = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2}
+    fast, default = DecoderLM(**shape, flops_per_second=4e14), DecoderLM(**shape)
+    assert fast.flops_per_second == 4e14
+    assert default.cost_model().attn / fast.cost_model().attn == pytest.approx(4e14 / 20e9)
+
+
 def test_pipeline_bubble_takes_what_users_pass() -> None:
     import numpy as np
 

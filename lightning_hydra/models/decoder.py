@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+from lightning_hydra.errors import check_int, check_number
 from lightning_hydra.models.checkpointing import check_checkpointing_mode
 from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
@@ -196,7 +197,22 @@ class DecoderLM(HydraModule):
             warmup_steps=warmup_steps,
             max_grad_norm=max_grad_norm,
             optimizer=optimizer,
+            flops_per_second=flops_per_second,
         )
+        for name, value in (
+            ("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_layers", num_layers),
+            ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+        ):  # fmt: skip
+            check_int(name, value)
+        check_int("ffn_hidden_size", ffn_hidden_size, none=True)
+        if hidden_size % num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must divide hidden_size={hidden_size}, and num_kv_heads={num_kv_heads} "
+                "must divide num_heads"
+            )
+        check_number("rope_theta", rope_theta, low=0.0, low_open=True)
+        check_number("norm_eps", norm_eps, low=0.0, low_open=True)
+        check_number("init_std", init_std, low=0.0)
         self.save_hyperparameters()
         ffn = ffn_hidden_size or 64 * -(-(8 * hidden_size // 3) // 64)
         self.ffn_hidden_size = ffn

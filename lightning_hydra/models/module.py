@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.datamodule import resolve
 from lightning_hydra.data.packing import RankMicrobatch, StepBatch
+from lightning_hydra.errors import check_int, check_number
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
 from lightning_hydra.models.checkpointing import (
@@ -71,11 +72,24 @@ class HydraModule(pl.LightningModule):
         """
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
+        # checked here, where the command line builds the module before it starts the ranks: the optimizer and the
+        # cost model are built after, on every rank (a NaN learning rate was reported once per rank, found by fuzzing)
+        lr = check_number("lr", lr, low=0.0)
+        weight_decay = check_number("weight_decay", weight_decay, low=0.0)
+        betas = tuple(betas)
+        if len(betas) != 2:
+            raise ValueError(f"betas must be two numbers, got {betas!r}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= check_number(f"betas[{i}]", beta) < 1.0:
+                raise ValueError(f"betas[{i}]={beta!r} is out of range: must be in [0, 1)")
+        warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
+        max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True, none=True)
+        flops_per_second = check_number("flops_per_second", flops_per_second, low=0.0, low_open=True)
         super().__init__()
         self.automatic_optimization = False
         self.lr = lr
         self.weight_decay = weight_decay
-        self.betas = tuple(betas)
+        self.betas = betas
         self.warmup_steps = warmup_steps
         self.max_grad_norm = max_grad_norm
         self.optimizer_name = optimizer
