@@ -37,6 +37,7 @@ size-independent part of GEMMs), per-sequence bookkeeping, communication that ov
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +159,8 @@ class CostModel:
         """
         if min(hidden_size, num_layers, num_heads) <= 0:
             raise ValueError("hidden_size, num_layers and num_heads must be positive")
+        if not 0 < flops_per_second < math.inf:  # NaN too: every coefficient would be infinite or NaN
+            raise ValueError(f"flops_per_second must be a positive, finite FLOP rate, got {flops_per_second}")
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         head_dim = hidden_size // num_heads

@@ -218,6 +218,10 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
         str(path),
     )
     _check_ranges(scenario, str(path))
+    try:
+        scenario.starting_cost()  # the planner's overrides build the analytic model: refused here, naming the file
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: planner: {exc}") from None
     job = scenario.job
     if scenario.engine not in ENGINES:
         raise ValueError(f"{path}: unknown engine {scenario.engine!r} (known: {sorted(ENGINES)})")
