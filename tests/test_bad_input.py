@@ -155,24 +155,45 @@ class _Gloo:
         return out
 
 
-def _scan_worker(rank: int, world: int) -> str:
-    data = [[1, 2, 3]] * 7
-    data[5] = "tokenize me"  # read by rank 5 % world only
+class _Unreadable:
+    """Seven items of three tokens; item 5 holds text, and with ``broken`` reading item 4 fails."""
+
+    def __init__(self, broken: bool) -> None:
+        self.broken = broken
+
+    def __len__(self) -> int:
+        return 7
+
+    def __getitem__(self, index: int) -> object:
+        if index == 4 and self.broken:
+            raise OSError("disk gone")
+        return "tokenize me" if index == 5 else [1, 2, 3]
+
+
+def _scan_worker(rank: int, world: int, broken: bool) -> str:
     try:
-        _Source(data, "train", None, False, runtime=_Gloo())
+        _Source(_Unreadable(broken), "train", None, False, runtime=_Gloo())  # item i is read by rank i % world
     except ConfigError as exc:
         return str(exc)
     return "no error"
 
 
-def test_a_bad_item_one_rank_scans_stops_every_rank_with_its_message() -> None:
+@pytest.mark.parametrize(
+    ("broken", "said"),
+    [
+        (False, "item 5: the item holds text (str), not token ids: tokenize the dataset first (read by rank 2)"),
+        (True, "item 4: the read failed: OSError('disk gone') (read by rank 1)"),  # two ranks fail: the first says
+    ],
+)
+def test_a_bad_item_one_rank_scans_stops_every_rank_with_its_message(broken: bool, said: str) -> None:
     """The pool shares the scan of lengths; a rank that failed on its items used to raise while the others waited in
     the gather for it (a hang until the collective's timeout). Now every rank raises the failing rank's message."""
-    for message in run_world(3, _scan_worker, timeout=120):
-        assert message == (
-            "the train dataset's item 5: the item holds text (str), not token ids: tokenize the dataset first "
-            "(read by rank 2)"
-        )
+    for message in run_world(3, _scan_worker, broken, timeout=120):
+        assert message == f"the train dataset's {said}"
+
+
+def test_bytearray_items_are_read_as_byte_ids() -> None:
+    assert _Source([bytearray(b"\x01\x02\x03")], "train", None, False).item(0).tolist() == [1, 2, 3]
 
 
 def _digest_worker(rank: int, world: int) -> str:
@@ -256,7 +277,7 @@ def test_bubble_monitor_checks_its_arguments(kwargs, error, match) -> None:
         ({"lr": -1e-3}, ValueError, "lr=-0.001 is out of range"),
         ({"weight_decay": float("inf")}, ValueError, "weight_decay=inf"),
         ({"warmup_steps": 1.5}, TypeError, "warmup_steps must be an integer"),
-        ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm=0.0 is out of range"),
+        ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm=-1.0 is out of range"),
         ({"flops_per_second": 0}, ValueError, "flops_per_second=0.0 is out of range"),
         ({"num_layers": 0}, ValueError, "num_layers=0 is out of range"),
         ({"vocab_size": 2.5}, TypeError, "vocab_size must be an integer"),
@@ -277,7 +298,11 @@ def test_module_checks_betas_and_keeps_the_flop_rate_it_is_given() -> None:
     """``DecoderLM`` dropped its ``flops_per_second`` (its default cost model always assumed 20 GFLOP/s)."""
     from lightning_hydra.models.module import HydraModule
 
-    for betas, match in (((0.9, 1.0), r"betas\[1\]=1.0 is out of range"), ((0.9,), "betas must be two numbers")):
+    for betas, match in (
+        ((0.9, 1.0), r"betas\[1\]=1.0 is out of range"),
+        ((0.9,), "betas must be two numbers"),
+        (0.9, "betas must be two numbers"),
+    ):
         with pytest.raises(ValueError, match=match):
             HydraModule(betas=betas)
     shape = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2}

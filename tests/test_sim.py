@@ -130,9 +130,13 @@ def test_scenario_errors_are_clear(tmp_path):
         ({"policies": "hydra"}, "policies must be a non-empty list"),
         ({"policies": []}, "policies must be a non-empty list"),
         ({"workload.distribution": "zipf"}, "unknown workload.distribution 'zipf'"),
-        ({"planner.flops_per_second": 0}, "planner: flops_per_second must be a positive, finite FLOP rate, got 0"),
-        ({"planner.intra_node_bandwidth": -1.0}, "planner: intra_node_bandwidth must be positive bytes per second"),
-        ({"planner.flop_per_second": 1e12}, "planner: .*unexpected keyword argument 'flop_per_second'"),
+        ({"planner.flops_per_second": 0}, "planner\\): flops_per_second must be a positive, finite FLOP rate, got 0"),
+        ({"planner.intra_node_bandwidth": -1.0}, "planner\\): intra_node_bandwidth must be positive bytes per second"),
+        (
+            {"model.num_heads": 0},
+            r"starting cost model \(sections model, hardware, planner\): hidden_size, num_layers",
+        ),
+        ({"planner.flop_per_second": 1e12}, "planner\\): .*unexpected keyword argument 'flop_per_second'"),
     ],
 )
 def test_scenario_values_out_of_range_are_clear_errors(override: dict, match: str) -> None:

@@ -33,20 +33,20 @@ log = logging.getLogger(__name__)
 def _token_ids(item: Any) -> Any:
     """The token ids a dataset item holds: the item itself (a list, tensor or array) or its ``input_ids`` entry;
     ``ValueError`` saying what the item is where it holds none."""
+    what = "every dataset item"
     if isinstance(item, Mapping):
         if "input_ids" not in item:
-            keys = ", ".join(repr(k) for k in list(item)[:5])
-            raise ValueError(f"a dict item must hold its token ids under 'input_ids', got keys {keys or 'none'}")
-        item = item["input_ids"]
-    if isinstance(item, str | bytes | bytearray):
+            keys = [repr(k) for k in list(item)[:6]]
+            listed = ", ".join(keys[:5]) + (", ..." if len(keys) > 5 else "")
+            raise ValueError(f"a dict item must hold its token ids under 'input_ids', got keys {listed or 'none'}")
+        item, what = item["input_ids"], "a dict item's 'input_ids'"
+    if isinstance(item, str | bytes):  # a bytearray is read as uint8 ids, as it always was
         raise ValueError(f"the item holds text ({type(item).__name__}), not token ids: tokenize the dataset first")
     if isinstance(item, torch.Tensor | np.ndarray) and item.ndim != 1:
-        raise ValueError(f"every dataset item must be a 1-D sequence of token ids, got shape {tuple(item.shape)}")
+        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {tuple(item.shape)}")
     if not hasattr(item, "__len__"):
-        raise ValueError(
-            f"every dataset item must be a 1-D sequence of token ids (or a dict with 'input_ids'), got a value of type "
-            f"{type(item).__name__}"
-        )
+        hint = " (or a dict with 'input_ids')" if what == "every dataset item" else ""
+        raise ValueError(f"{what} must be a 1-D sequence of token ids{hint}, got a value of type {type(item).__name__}")
     return item
 
 
@@ -70,13 +70,15 @@ def _as_tensor(item: Any) -> torch.Tensor:
 def scan_lengths(dataset: Any, rank: int = 0, world_size: int = 1) -> dict[int, int]:
     """Lengths of the items ``rank, rank + world_size, ...`` of ``dataset``, each item read once (``ValueError``
     naming the first item that holds no token ids)."""
-    found = {}
-    for i in range(rank, len(dataset), world_size):
-        try:
-            found[i] = len(_token_ids(dataset[i]))
-        except ValueError as exc:
-            raise ValueError(f"item {i}: {exc}") from None
-    return found
+    return {i: _length_of(dataset, i) for i in range(rank, len(dataset), world_size)}
+
+
+def _length_of(dataset: Any, index: int) -> int:
+    """The length of item ``index`` (``ValueError`` naming it where it holds no token ids)."""
+    try:
+        return len(_token_ids(dataset[index]))
+    except ValueError as exc:
+        raise ValueError(f"item {index}: {exc}") from None
 
 
 def model_vocab_size(module: Any) -> int | None:
@@ -159,33 +161,34 @@ class _Source:
 
 
 def _scan(dataset: Any, name: str, runtime: Any) -> list[int]:
-    """Every item's length, the pool sharing the reads. An item that holds no token ids (or a read that fails) is a
-    :class:`~lightning_hydra.errors.ConfigError` on every rank, naming the item and the rank that read it: the other
-    ranks do not wait in the gather for a rank that has gone."""
+    """Every item's length, the pool sharing the reads. An item that holds no token ids, or a read that fails, is a
+    :class:`~lightning_hydra.errors.ConfigError` on every rank naming the item and the rank that read it (the other
+    ranks do not wait in the gather for a rank that has gone); on one process a failed read is raised as the dataset
+    raised it."""
     rank, world = (runtime.global_rank, runtime.world_size) if runtime is not None else (0, 1)
-    try:
-        found, error = scan_lengths(dataset, rank, world), None
-    except Exception as exc:  # whatever the read raised, every rank must hear of it
-        found, error = {}, exc
+    found: dict[int, int] = {}
+    error, said = None, None
+    for i in range(rank, len(dataset), world):
+        try:
+            found[i] = _length_of(dataset, i)
+        except Exception as exc:  # whatever the read raised, every rank must hear of it
+            error = exc
+            said = str(exc) if isinstance(exc, ValueError) else f"item {i}: the read failed: {exc!r}"
+            break
     if world == 1:
         if isinstance(error, ValueError):
-            raise ConfigError(f"the {name} dataset's {error}") from error
+            raise ConfigError(f"the {name} dataset's {said}") from error
         if error is not None:
             raise error  # the dataset's own failure, as it raised it
         return [found[i] for i in range(len(dataset))]
-    parts = runtime.all_gather_object((found, None if error is None else _said(error)))
-    failed = [(r, said) for r, (_, said) in enumerate(parts) if said is not None]
+    parts = runtime.all_gather_object((found, said))
+    failed = [(r, message) for r, (_, message) in enumerate(parts) if message is not None]
     if failed:
         raise ConfigError(f"the {name} dataset's {failed[0][1]} (read by rank {failed[0][0]})") from error
     merged: dict[int, int] = {}
     for part, _ in parts:
         merged.update(part)
     return [merged[i] for i in range(len(dataset))]
-
-
-def _said(error: BaseException) -> str:
-    """An error's message (``ValueError``: ours, naming the item) or, for anything else a read raised, its repr."""
-    return str(error) if isinstance(error, ValueError) else f"read failed: {error!r}"
 
 
 def _checked_lengths(lengths: Any, size: int, name: str, max_seq_len: int | None, truncate: bool) -> np.ndarray:

@@ -204,7 +204,7 @@ class DecoderLM(HydraModule):
             ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
         ):  # fmt: skip
             check_int(name, value)
-        check_int("ffn_hidden_size", ffn_hidden_size, none=True)
+        check_int("ffn_hidden_size", ffn_hidden_size, low=0, none=True)  # 0 and None: the default width
         if hidden_size % num_heads or num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} must divide hidden_size={hidden_size}, and num_kv_heads={num_kv_heads} "

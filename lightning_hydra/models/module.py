@@ -76,14 +76,14 @@ class HydraModule(pl.LightningModule):
         # cost model are built after, on every rank (a NaN learning rate was reported once per rank, found by fuzzing)
         lr = check_number("lr", lr, low=0.0)
         weight_decay = check_number("weight_decay", weight_decay, low=0.0)
-        betas = tuple(betas)
-        if len(betas) != 2:
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
             raise ValueError(f"betas must be two numbers, got {betas!r}")
+        betas = tuple(betas)
         for i, beta in enumerate(betas):
             if not 0.0 <= check_number(f"betas[{i}]", beta) < 1.0:
                 raise ValueError(f"betas[{i}]={beta!r} is out of range: must be in [0, 1)")
         warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True, none=True)
+        max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, none=True)  # 0 and None: no clipping
         flops_per_second = check_number("flops_per_second", flops_per_second, low=0.0, low_open=True)
         super().__init__()
         self.automatic_optimization = False

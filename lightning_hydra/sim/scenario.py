@@ -218,10 +218,12 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
         str(path),
     )
     _check_ranges(scenario, str(path))
-    try:
-        scenario.starting_cost()  # the planner's overrides build the analytic model: refused here, naming the file
+    try:  # the model, the hardware and the planner's overrides build the analytic model: refused here, named
+        scenario.starting_cost()
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: planner: {exc}") from None
+        raise ValueError(
+            f"{path}: the planner's starting cost model (sections model, hardware, planner): {exc}"
+        ) from None
     job = scenario.job
     if scenario.engine not in ENGINES:
         raise ValueError(f"{path}: unknown engine {scenario.engine!r} (known: {sorted(ENGINES)})")
