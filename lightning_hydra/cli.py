@@ -124,7 +124,11 @@ def _lightning_cli(args: list[str]) -> int:
             args=args,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
-            parser_kwargs={"prog": "lightning-hydra", "description": "train with dynamic context parallelism (HyDra)"},
+            parser_kwargs={
+                "prog": "lightning-hydra",
+                "description": "train with dynamic context parallelism (HyDra)",
+                "exit_on_error": False,
+            },
         )
     return 0
 
@@ -571,6 +575,44 @@ def _union_reason(text: str) -> str:
     return " ".join((causes or reasons or [text])[0].split())
 
 
+_SCAFFOLD = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "Problem with given class_path")
+"""Lines of jsonargparse's nested messages that frame a cause rather than say one."""
+
+
+def _argument_reason(text: str) -> str:
+    """One line from jsonargparse's nested message about a bad command-line or recipe value: the setting (as its
+    ``--`` option path) and, from the innermost ``Parser key`` block, the cause it gives or the types it expected and
+    the value it got (``--trainer.strategy.init_args.max_tokens_per_rank: expected int or Literal['auto'], got
+    'abc'``)."""
+    keys = re.findall(r'Parser key "([^"]+)":', text)
+    if not keys:
+        return " ".join(text.split())
+    lines = text.splitlines()
+    at = max(i for i, line in enumerate(lines) if f'Parser key "{keys[-1]}":' in line)
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    inner = [lines[at].split(f'Parser key "{keys[-1]}":', 1)[1].strip()]  # the innermost block: the rest of its
+    # key's line and the lines indented below it
+    for line in lines[at + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        inner.append(line.strip().removeprefix("- "))
+    inner = [line for line in inner if line]
+    name = "--" + (".init_args." if "Problem with given class_path" in text else ".").join(keys)
+    causes = [line for line in inner if not line.startswith(("Expected a ", *_SCAFFOLD))]
+    if causes:
+        return f"{name}: {' '.join(causes)}"
+    expected, got = [], None
+    for line in inner:
+        match = re.match(r"Expected a (?:<class '([^']+)'>|(.+?))(?:\. Got value: (.*))?$", line)
+        if match:
+            expected.append((match.group(1) or match.group(2)).removeprefix("typing."))
+            got = got if match.group(3) is None else match.group(3)
+        elif line.startswith("Given value:") and got is None:
+            got = line.split(":", 1)[1].strip()
+    said = f"expected {' or '.join(expected)}" if expected else "not accepted"
+    return f"{name}: {said}" + (f", got {got!r}" if got is not None else "")
+
+
 def _message(exc: BaseException) -> str:
     from lightning_hydra.errors import ConfigError
 
@@ -641,6 +683,12 @@ def main(argv: list[str] | None = None) -> int:
         return run(argv)
     except KeyboardInterrupt:
         return 130
+    except argparse.ArgumentError as exc:  # a bad option or recipe value (LightningCLI's parser raises, not exits)
+        if show_traceback:
+            traceback.print_exception(exc, file=sys.stderr)
+        else:
+            print(f"lightning-hydra: error: {_argument_reason(str(exc))}", file=sys.stderr, flush=True)
+        return 2
     except SystemExit as done:  # argparse's usage errors, --help, a run stopped by SIGTERM
         code = done.code
         return code if isinstance(code, int) else (0 if code is None else 1)

@@ -126,7 +126,38 @@ def test_usage_lists_the_package_commands_and_offers_no_broken_ones(capsys):
     assert fit_usage.startswith("usage: lightning-hydra") and "{fit,validate}" not in fit_usage
     # LightningCLI itself (reached with options before the command) offers fit and validate only
     assert main(["--config", str(recipe_path("cpu-demo")), "predict"]) == 2
-    assert "{fit,validate}" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines() == [
+        "lightning-hydra: error: argument subcommand: invalid choice: 'predict' (choose from 'fit', 'validate')"
+    ]
+
+
+def test_a_bad_option_or_recipe_value_is_one_line_naming_the_option(tmp_path, capsys):
+    """LightningCLI's parser printed its whole usage and jsonargparse's nested union report (70-77 lines) for a
+    value of the wrong type (found by fuzzing the command line); now one line names the option and the problem, and
+    the exit code stays argparse's 2."""
+    demo = recipe_path("cpu-demo")
+    cases = {
+        "--trainer.strategy.init_args.max_tokens_per_rank=abc": (
+            "--trainer.strategy.init_args.max_tokens_per_rank: expected int or Literal['auto'], got 'abc'"
+        ),
+        "--trainer.strategy.init_args.foo=1": "--trainer.strategy: Option 'foo' is not accepted",
+        "--model.init_args.lr=abc": "--model.init_args.lr: expected float, got 'abc'",
+        "--trainer.max_stepz=3": "unrecognized arguments: --trainer.max_stepz=3",
+    }
+    for option, said in cases.items():
+        assert main(["fit", "--config", str(demo), option, "--print_config"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"lightning-hydra: error: {said}"]
+    recipe = tmp_path / "walll.yaml"
+    recipe.write_text(demo.read_text().replace("dashboard: true", "dashboard: true\n        step_time: walll", 1))
+    assert main(["fit", "--config", str(recipe), "--print_config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "lightning-hydra: error: --trainer.callbacks.init_args.step_time: expected Literal['auto', 'wall', 'replay'], "
+        "got 'walll'"
+    ]
+    assert main(["fit", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"lightning-hydra: error: --config: File does not exist: '{tmp_path / 'missing.yaml'}'"
+    ]
 
 
 def _described(help_text: str, prefix: str, names: list[str]) -> dict[str, str]:
