@@ -68,3 +68,55 @@ def test_hf_llama_trains_exactly_on_four_ranks(tmp_path: Path) -> None:
     T._assert_same_training(ref_rows, ref_model, runs, model)
     used = {tuple(g) for rank in runs for row in rank[:-1] for g in row["groups"]}
     assert any(u > 1 for _, u, _ in used) and any(r > 1 for _, _, r in used), used
+
+
+SMALL = dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "said"),
+    [
+        ("mistral", {"sliding_window": 8}, "it applies a sliding window of 8 tokens"),
+        ("gemma2", {"sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"]},
+         "its layers include sliding_attention layers"),
+        ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 4,
+                        "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+         "its layers include linear_attention layers"),
+        ("bloom", {"n_head": 4}, "does not take attention implementations from transformers' registry"),
+    ],
+)  # fmt: skip
+def test_attention_the_engine_does_not_compute_is_refused(model_type: str, extra: dict, said: str) -> None:
+    """Found by running 71 architectures through the engine: sliding windows (Mistral, Qwen2/3, Gemma 2/3, ...),
+    chunked, linear and convolutional layers were wrapped and silently trained as full causal attention (logits off by
+    2-4.5 where documents outgrow the window), and models outside transformers' attention registry (Bloom, MPT,
+    Falcon) kept their own attention while ``apply_hf`` counted them as wrapped."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
+    model = AutoModelForCausalLM.from_config(config)
+    previous = model.config._attn_implementation
+    with pytest.raises(ValueError, match=said):
+        apply_hf(model, CPContext())
+    assert model.config._attn_implementation == previous  # left as it was
+    assert not any("hydra_cp" in m.__dict__ for m in model.modules())
+
+
+def test_what_a_model_asks_beyond_document_masked_attention_is_refused() -> None:
+    """Soft-capping (Gemma 2), attention sinks (gpt-oss), a window, or a model's own mask or bias (Doge) reach the
+    attention function as arguments; dropped, they would train other attention than the model's."""
+    from lightning_hydra.models.hf import hydra_hf_attention
+
+    module = torch.nn.Module()
+    module.hydra_cp = CPContext()  # type: ignore[assignment]
+    q = torch.zeros(1, 4, 8, 16)
+    kv = torch.zeros(1, 2, 8, 16)
+    for kwargs, said in (
+        ({"softcap": 50.0}, r"logit soft-capping \(softcap=50.0\)"),
+        ({"s_aux": torch.zeros(4)}, r"attention sinks \(s_aux=a tensor of shape \(4,\)\)"),
+        ({"sliding_window": 8}, r"a sliding window \(sliding_window=8\)"),
+        ({"attention_mask": torch.zeros(1, 4, 8, 8)}, "passes its own attention mask or bias"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            hydra_hf_attention(module, q, kv, kv, **{"attention_mask": None, **kwargs})

@@ -22,7 +22,7 @@ from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
 from lightning_hydra.models.stages import keep_stage_layers
 
-__all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf"]
+__all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf", "unsupported_attention"]
 
 IMPLEMENTATION = "hydra"
 
@@ -37,7 +37,12 @@ def hydra_hf_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The registered attention function: ``[1, H, S, D]`` in, ``[1, S, H, D]`` out, through the CP engine."""
+    """The registered attention function: ``[1, H, S, D]`` in, ``[1, S, H, D]`` out, through the CP engine.
+
+    The engine computes document-masked causal (or, with ``is_causal=False``, bidirectional) softmax attention. What a
+    model asks beyond that (its own mask or bias, a sliding window, logit soft-capping, attention sinks, dropout) is
+    refused with an error rather than dropped: dropped, it would train other attention than the model's, silently.
+    """
     cp = getattr(module, "hydra_cp", None)
     if cp is None:
         raise RuntimeError(f"{type(module).__name__} has no CP context: wrap the model with apply_hf() first")
@@ -45,9 +50,29 @@ def hydra_hf_attention(
         raise ValueError(f"hydra attention takes one packed row, got a batch of {query.shape[0]}")
     if dropout:
         raise ValueError("attention dropout is not supported by the CP engine")
+    if attention_mask is not None:
+        raise ValueError(
+            f"{type(module).__name__} passes its own attention mask or bias, which the CP engine cannot apply (it "
+            "computes document-masked attention from the packed documents' boundaries)"
+        )
+    for name, what in _NOT_COMPUTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} asks for {what} ({name}={_brief(kwargs[name])}), which the CP engine does "
+                "not compute"
+            )
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     out = cp.attention(q, k, v, causal=getattr(module, "is_causal", True), scale=scaling)
     return out.unsqueeze(0), None
+
+
+_NOT_COMPUTED = {"sliding_window": "a sliding window", "softcap": "logit soft-capping", "s_aux": "attention sinks"}
+"""Keyword arguments of transformers' attention functions that change the result and that the engine does not
+compute (found by running 71 architectures through it: Mistral, Qwen2/3, Gemma 2/3, gpt-oss and others)."""
+
+
+def _brief(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
 AttentionInterface.register(IMPLEMENTATION, hydra_hf_attention)
@@ -57,14 +82,56 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "head_dim")]
 
 
+def unsupported_attention(model: PreTrainedModel) -> str | None:
+    """Why the CP engine cannot compute ``model``'s attention (``None``: it can). transformers' own rule for context
+    parallelism (``PreTrainedModel.supports_context_parallel`` where it exists): every layer of ``layer_types`` full
+    attention (not sliding-window, chunked, linear or convolutional), and without ``layer_types`` no
+    ``sliding_window`` (models before ``layer_types`` apply it to every layer, some only through the mask), nor an
+    ``attention_chunk_size``."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({str(t) for t in layer_types if t != "full_attention"})
+        if other:
+            return f"its layers include {', '.join(other)} layers"
+    elif getattr(config, "sliding_window", None) is not None:
+        return f"it applies a sliding window of {config.sliding_window} tokens"
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return f"it applies chunked attention ({config.attention_chunk_size} tokens)"
+    if getattr(model, "supports_context_parallel", True) is False:
+        return "transformers marks it as not supporting context parallelism"
+    return None
+
+
 def apply_hf(model: PreTrainedModel, context: CPContext) -> int:
-    """Route ``model``'s attention through the CP engine; returns how many attention modules were wrapped."""
+    """Route ``model``'s attention through the CP engine; returns how many attention modules were wrapped.
+
+    Raises:
+        ValueError: The model has no attention modules, its attention is not what the engine computes
+            (:func:`unsupported_attention`: trained through the engine it would silently become full causal
+            attention), or it does not take attention implementations from transformers' registry (its attention
+            would never reach the engine).
+    """
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"found no attention modules in {type(model).__name__}")
-    if not hasattr(model, "_hydra_previous_attn"):
-        object.__setattr__(model, "_hydra_previous_attn", model.config._attn_implementation)
+    reason = unsupported_attention(model)
+    if reason is not None:
+        raise ValueError(
+            f"{type(model).__name__} cannot run under context parallelism: {reason}, and the CP engine computes "
+            "full attention within each document (set the config's sliding_window or layer_types to full "
+            "attention if that is what the model should learn)"
+        )
+    previous = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
+    if model.config._attn_implementation != IMPLEMENTATION:  # transformers keeps its own and only logs a warning
+        model.set_attn_implementation(previous)
+        raise ValueError(
+            f"{type(model).__name__} does not take attention implementations from transformers' registry (it kept "
+            f"{model.config._attn_implementation!r}): its attention would never reach the CP engine"
+        )
+    if not hasattr(model, "_hydra_previous_attn"):
+        object.__setattr__(model, "_hydra_previous_attn", previous)
     for m in modules:
         object.__setattr__(m, "hydra_cp", context)
     return len(modules)
