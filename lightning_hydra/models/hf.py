@@ -191,20 +191,31 @@ class HFCausalLM(HydraModule):
             model = AutoModelForCausalLM.from_config(config)
         self.model = model
         self._stages: tuple[int, int] | None = None
+        self._stage_factor = 1.0
+        """The factor on the last stage's logits (:meth:`_linear_head`)."""
         apply_hf(self.model, self.local_cp)
 
-    def _plain_head(self) -> nn.Linear | None:
-        """The LM head when logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or scaling), so the
-        loss can be chunked; ``None`` otherwise."""
+    def _linear_head(self) -> tuple[nn.Linear, float] | None:
+        """``(head, factor)`` when the model's logits are exactly ``factor * head(last_hidden_state)``, so the loss
+        can be chunked over tokens (``factor``: Cohere's ``logit_scale``, the Granite family's ``1 /
+        logits_scaling``; ignoring it trained Granite on logits 8-16x too large); ``None`` otherwise (soft-capping, a
+        biased head)."""
         head = self.model.get_output_embeddings()
         config = self.model.config
-        plain = getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) in (
-            None,
-            1.0,
-        )
-        if isinstance(head, nn.Linear) and head.bias is None and plain and hasattr(self.model, "base_model"):
-            return head
-        return None
+        if getattr(config, "final_logit_softcapping", None) is not None:
+            return None
+        if not isinstance(head, nn.Linear) or head.bias is not None or not hasattr(self.model, "base_model"):
+            return None
+        scale, scaling = getattr(config, "logit_scale", None), getattr(config, "logits_scaling", None)
+        factor = (1.0 if scale is None else float(scale)) / (1.0 if scaling is None else float(scaling))
+        return head, factor
+
+    def _chunked_loss(self, hidden: torch.Tensor, head: nn.Linear, factor: float, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of ``factor * head(hidden)`` without its ``[t, vocab]`` float32 logits (the factor
+        scales the hidden states: ``(f h) W^T = f (h W^T)``)."""
+        if factor != 1.0:
+            hidden = hidden * factor
+        return chunked_cross_entropy(hidden, head.weight, labels, ignore_index=IGNORE_INDEX)
 
     @override
     def forward(
@@ -219,15 +230,15 @@ class HFCausalLM(HydraModule):
         :meth:`pipeline_stage`, this stage's layers only (see :class:`~lightning_hydra.HydraModule`)."""
         if self._stages is not None:
             return self._stage_run(input_ids, position_ids, labels, hidden)
-        head = self._plain_head() if labels is not None else None
-        if head is None:
+        linear = self._linear_head() if labels is not None else None
+        if linear is None:
             logits = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
             if labels is None:
                 return logits
             return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         base = self.model.base_model
         hidden = base(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).last_hidden_state
-        return chunked_cross_entropy(hidden[0], head.weight, labels, ignore_index=IGNORE_INDEX)
+        return self._chunked_loss(hidden[0], *linear, labels)
 
     @override
     def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
@@ -249,6 +260,13 @@ class HFCausalLM(HydraModule):
         base = self._decoder()
         if stages > 1 and getattr(self.model.config, "tie_word_embeddings", False):
             raise ValueError("a model with tied input and output embeddings cannot be split into pipeline stages")
+        linear = self._linear_head()
+        if linear is None:
+            raise NotImplementedError(
+                f"{type(self.model).__name__}'s logits are not a linear head's (soft-capping or a biased head): its "
+                "last pipeline stage cannot compute them from the decoder's output"
+            )
+        self._stage_factor = linear[1]
         c = self.model.config
         keep_stage_layers(base.layers, stage, stages, head_flops=6.0 * c.vocab_size * c.hidden_size)
         if stage > 0:
@@ -271,9 +289,10 @@ class HFCausalLM(HydraModule):
         if self.model.lm_head is None:
             return x[0]
         x = base.norm(x)[0]
+        head, factor = self.model.lm_head, self._stage_factor
         if labels is None:
-            return self.model.lm_head(x)
-        return chunked_cross_entropy(x, self.model.lm_head.weight, labels, ignore_index=IGNORE_INDEX)
+            return head(x) * factor if factor != 1.0 else head(x)
+        return self._chunked_loss(x, head, factor, labels)
 
     @override
     def stage_forward(self, mb: RankMicrobatch, hidden: torch.Tensor | None) -> torch.Tensor:
