@@ -85,6 +85,8 @@ SMALL = dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_la
                         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
          "its layers include linear_attention layers"),
         ("bloom", {"n_head": 4}, "does not take attention implementations from transformers' registry"),
+        ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 4}, r"to its attention probabilities \(attn_dropout=0.1\)"),
+        ("llama", {"attention_dropout": 0.1}, r"\(attention_dropout=0.1\), which the CP engine does not compute"),
     ],
 )  # fmt: skip
 def test_attention_the_engine_does_not_compute_is_refused(model_type: str, extra: dict, said: str) -> None:

@@ -82,6 +82,22 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "head_dim")]
 
 
+_DROPOUT_NAMES = ("attention_dropout", "attn_dropout", "attn_pdrop", "dropout")
+"""Attributes under which transformers' attention modules keep the dropout on attention probabilities (a rate or an
+``nn.Dropout``; ``resid_dropout``, on the projection's output, is not one)."""
+
+
+def _attention_dropout(module: nn.Module) -> dict[str, float]:
+    """The attention-probability dropout rates ``module`` keeps, by attribute name."""
+    found = {}
+    for name in _DROPOUT_NAMES:
+        value = getattr(module, name, None)
+        rate = value.p if isinstance(value, nn.Dropout) else value
+        if isinstance(rate, int | float) and not isinstance(rate, bool):
+            found[name] = float(rate)
+    return found
+
+
 def unsupported_attention(model: PreTrainedModel) -> str | None:
     """Why the CP engine cannot compute ``model``'s attention (``None``: it can). transformers' own rule for context
     parallelism (``PreTrainedModel.supports_context_parallel`` where it exists): every layer of ``layer_types`` full
@@ -109,8 +125,8 @@ def apply_hf(model: PreTrainedModel, context: CPContext) -> int:
     Raises:
         ValueError: The model has no attention modules, its attention is not what the engine computes
             (:func:`unsupported_attention`: trained through the engine it would silently become full causal
-            attention), or it does not take attention implementations from transformers' registry (its attention
-            would never reach the engine).
+            attention), it applies dropout to attention probabilities, or it does not take attention implementations
+            from transformers' registry (its attention would never reach the engine).
     """
     modules = _attention_modules(model)
     if not modules:
@@ -121,6 +137,13 @@ def apply_hf(model: PreTrainedModel, context: CPContext) -> int:
             f"{type(model).__name__} cannot run under context parallelism: {reason}, and the CP engine computes "
             "full attention within each document (set the config's sliding_window or layer_types to full "
             "attention if that is what the model should learn)"
+        )
+    dropout = {name: p for m in modules for name, p in _attention_dropout(m).items() if p > 0}
+    if dropout:
+        name, p = next(iter(dropout.items()))
+        raise ValueError(
+            f"{type(model).__name__} applies dropout to its attention probabilities ({name}={p}), which the CP engine "
+            "does not compute: set the config's attention dropout to 0"
         )
     previous = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
