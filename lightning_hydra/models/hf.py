@@ -84,7 +84,8 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 _DROPOUT_NAMES = ("attention_dropout", "attn_dropout", "attn_pdrop", "dropout")
 """Attributes under which transformers' attention modules keep the dropout on attention probabilities (a rate or an
-``nn.Dropout``; ``resid_dropout``, on the projection's output, is not one)."""
+``nn.Dropout``; ``dropout`` only as a rate, as OPT and BioGPT keep it: as a module it may drop the output, like
+``resid_dropout``, which the engine does not touch)."""
 
 
 def _attention_dropout(module: nn.Module) -> dict[str, float]:
@@ -92,10 +93,27 @@ def _attention_dropout(module: nn.Module) -> dict[str, float]:
     found = {}
     for name in _DROPOUT_NAMES:
         value = getattr(module, name, None)
-        rate = value.p if isinstance(value, nn.Dropout) else value
+        rate = value.p if isinstance(value, nn.Dropout) and name != "dropout" else value
         if isinstance(rate, int | float) and not isinstance(rate, bool):
             found[name] = float(rate)
     return found
+
+
+_ROW_ROPE = frozenset({"dynamic", "longrope"})
+"""Rotary scalings that choose their frequencies from ``max(position_ids) + 1`` of the row (transformers'
+``dynamic_rope_update``): under CP each rank sees its own shard's largest position, and the packed row's longest
+document sets them for all its documents (Phi-3 with ``longrope``, Llama with dynamic NTK scaling trained 4-8e-5
+apart from one process on 4 ranks). The static scalings (linear, llama3, yarn) read positions token by token."""
+
+
+def _rope_types(config: PretrainedConfig) -> set[str]:
+    """The ``rope_type`` of every rotary embedding ``config`` describes (``rope_parameters``, or ``rope_scaling``
+    before it; one dict, or one per layer type)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return set()
+    params = [rope] if ("rope_type" in rope or "type" in rope) else [v for v in rope.values() if isinstance(v, dict)]
+    return {str(p.get("rope_type", p.get("type"))) for p in params}
 
 
 def unsupported_attention(model: PreTrainedModel) -> str | None:
@@ -103,17 +121,28 @@ def unsupported_attention(model: PreTrainedModel) -> str | None:
     parallelism (``PreTrainedModel.supports_context_parallel`` where it exists): every layer of ``layer_types`` full
     attention (not sliding-window, chunked, linear or convolutional), and without ``layer_types`` no
     ``sliding_window`` (models before ``layer_types`` apply it to every layer, some only through the mask), nor an
-    ``attention_chunk_size``."""
+    ``attention_chunk_size``; and no rotary scaling that reads the row's largest position (:data:`_ROW_ROPE`)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layer_types = getattr(config, "layer_types", None)
+    full = (
+        ", and the CP engine computes full causal attention within each document (set the config's {} if that is "
+        "what the model should learn)"
+    )
     if layer_types is not None:
         other = sorted({str(t) for t in layer_types if t != "full_attention"})
         if other:
-            return f"its layers include {', '.join(other)} layers"
+            return f"its layers include {', '.join(other)} layers" + full.format("layer_types to full attention")
     elif getattr(config, "sliding_window", None) is not None:
-        return f"it applies a sliding window of {config.sliding_window} tokens"
+        return f"it applies a sliding window of {config.sliding_window} tokens" + full.format("sliding_window to None")
     if getattr(config, "attention_chunk_size", None) is not None:
-        return f"it applies chunked attention ({config.attention_chunk_size} tokens)"
+        chunk = f"it applies chunked attention ({config.attention_chunk_size} tokens)"
+        return chunk + full.format("attention_chunk_size to None")
+    position_dependent = sorted(_rope_types(config) & _ROW_ROPE)
+    if position_dependent:
+        return (
+            f"its rotary embedding ({', '.join(position_dependent)}) picks its frequencies from the largest position "
+            "in the packed row, which a rank's shard does not hold"
+        )
     if getattr(model, "supports_context_parallel", True) is False:
         return "transformers marks it as not supporting context parallelism"
     return None
@@ -133,11 +162,7 @@ def apply_hf(model: PreTrainedModel, context: CPContext) -> int:
         raise ValueError(f"found no attention modules in {type(model).__name__}")
     reason = unsupported_attention(model)
     if reason is not None:
-        raise ValueError(
-            f"{type(model).__name__} cannot run under context parallelism: {reason}, and the CP engine computes "
-            "full attention within each document (set the config's sliding_window or layer_types to full "
-            "attention if that is what the model should learn)"
-        )
+        raise ValueError(f"{type(model).__name__} cannot run under context parallelism: {reason}")
     dropout = {name: p for m in modules for name, p in _attention_dropout(m).items() if p > 0}
     if dropout:
         name, p = next(iter(dropout.items()))
@@ -212,6 +237,13 @@ class HFCausalLM(HydraModule):
             if isinstance(config, dict):
                 config = AutoConfig.for_model(**config)
             model = AutoModelForCausalLM.from_config(config)
+        if getattr(model.config, "output_router_logits", False):
+            # transformers' load-balancing loss averages router probabilities over every token of the row: a product
+            # of averages, which neither the chunked loss computes nor CP shards can sum to
+            raise ValueError(
+                f"{type(model).__name__} asks for the router's load-balancing loss (output_router_logits=True), which "
+                "HFCausalLM does not add: set output_router_logits to False (the loss is the sum of token losses)"
+            )
         self.model = model
         self._stages: tuple[int, int] | None = None
         self._stage_factor = 1.0
