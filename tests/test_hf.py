@@ -26,9 +26,25 @@ CONFIG = dict(
 )
 
 
-def test_packed_documents_match_separate_sdpa_runs() -> None:
+def _gpt_neox() -> torch.nn.Module:
+    """GPT-NeoX (Pythia): partial rotary, parallel residual; its attention modules name their width ``head_size``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gpt_neox", vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, rotary_pct=0.5, attention_dropout=0.0, hidden_dropout=0.0,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="sdpa")), _gpt_neox],
+    ids=["llama", "gpt_neox"],
+)
+def test_packed_documents_match_separate_sdpa_runs(build) -> None:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="sdpa")).eval()
+    model = build().eval()
     docs = [torch.randint(0, 258, (n,)) for n in (13, 40, 1, 7)]
     with torch.no_grad():
         separate = torch.cat([model(d[None]).logits[0] for d in docs])

@@ -79,7 +79,11 @@ AttentionInterface.register(IMPLEMENTATION, hydra_hf_attention)
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "head_dim")]
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and (hasattr(m, "head_dim") or hasattr(m, "head_size"))
+    ]
 
 
 _DROPOUT_NAMES = ("attention_dropout", "attn_dropout", "attn_pdrop", "dropout")
