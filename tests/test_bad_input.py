@@ -7,7 +7,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
-from lightning_hydra.data.datamodule import _Source
+from lightning_hydra.data.source import DatasetSource
 from lightning_hydra.errors import ConfigError
 from lightning_hydra.strategy import check_digests, check_pool
 from lightning_hydra.testing import run_world
@@ -52,9 +52,9 @@ def test_sequence_longer_than_the_pool() -> None:
 
 def test_truncation_is_explicit() -> None:
     data = [torch.arange(50), torch.arange(5)]
-    assert _Source(data, "train", max_seq_len=20, truncate=True).lengths.tolist() == [20, 5]
-    assert _Source(data, "train", max_seq_len=20, truncate=True).item(0).numel() == 20
-    assert _Source(data, "train", max_seq_len=20, truncate=False).lengths.tolist() == [50, 5]
+    assert DatasetSource(data, "train", max_seq_len=20, truncate=True).lengths.tolist() == [20, 5]
+    assert DatasetSource(data, "train", max_seq_len=20, truncate=True).item(0).numel() == 20
+    assert DatasetSource(data, "train", max_seq_len=20, truncate=False).lengths.tolist() == [50, 5]
     with pytest.raises(ValueError, match="truncate=True needs max_seq_len"):
         HydraDataModule(data, global_batch_tokens=100, truncate=True)
     dm = HydraDataModule(data, global_batch_tokens=100, max_seq_len=20)
@@ -73,7 +73,7 @@ def test_datasets_of_lists_arrays_and_dicts_are_accepted() -> None:
     import numpy as np
 
     data = [[1, 2, 3], np.arange(4), {"input_ids": [5, 6]}, torch.tensor([7])]
-    source = _Source(data, "train", None, False)
+    source = DatasetSource(data, "train", None, False)
     assert source.lengths.tolist() == [3, 4, 2, 1]
     assert [source.item(i).tolist() for i in range(4)] == [[1, 2, 3], [0, 1, 2, 3], [5, 6], [7]]
 
@@ -94,10 +94,10 @@ def test_an_item_that_disagrees_with_its_recorded_length_is_an_error(truncate: b
         def lengths(self) -> list[int]:
             return [12, 10]
 
-    source = _Source(Lying(), "train", max_seq_len=20, truncate=truncate)
+    source = DatasetSource(Lying(), "train", max_seq_len=20, truncate=truncate)
     with pytest.raises(ValueError, match=r"train item 0 has 5 tokens.*recorded length is 12"):
         source.item(0)
-    cut = _Source(Lying(), "train", max_seq_len=8, truncate=True)  # 15 and 10 tokens, both cut to 8: the same
+    cut = DatasetSource(Lying(), "train", max_seq_len=8, truncate=True)  # 15 and 10 tokens, both cut to 8: the same
     assert cut.item(1).numel() == 8
     with pytest.raises(ValueError, match=r"has 5 tokens \(5 once cut to max_seq_len=8\).*recorded length is 8"):
         cut.item(0)
@@ -111,8 +111,8 @@ def test_token_ids_that_are_not_integers_are_an_error() -> None:
 
     for item in ([1.7, 2.2, 3.9], torch.tensor([0.5, 255.9]), torch.tensor([True, False]), np.array([1 + 2j, 3])):
         with pytest.raises(ValueError, match="train item 0: every dataset item must hold integer token ids"):
-            _Source([item], "train", None, False).item(0)
-    assert _Source([np.array([3.0, 7.0])], "train", None, False).item(0).tolist() == [3, 7]
+            DatasetSource([item], "train", None, False).item(0)
+    assert DatasetSource([np.array([3.0, 7.0])], "train", None, False).item(0).tolist() == [3, 7]
 
 
 @pytest.mark.parametrize(
@@ -132,15 +132,15 @@ def test_an_item_that_holds_no_token_ids_is_a_clear_error(item: object, match: s
     a ``ValueError``) name the split, the item and what it holds."""
     data = [[1, 2], item]  # an int item: a flat list of ints given as the dataset
     with pytest.raises(ConfigError, match="the train dataset's " + match):
-        _Source(data, "train", None, False)
+        DatasetSource(data, "train", None, False)
     with pytest.raises(ValueError, match="train " + match):
-        _Source(data, "train", None, False, lengths=[2, 2]).item(1)
+        DatasetSource(data, "train", None, False, lengths=[2, 2]).item(1)
     with pytest.raises(ValueError, match=r"train item 0: every dataset item must be a 1-D sequence of token ids \("):
-        _Source([[[1, 2], [3]]], "train", None, False).item(0)  # ragged nesting: found at the read (len() is 2)
+        DatasetSource([[[1, 2], [3]]], "train", None, False).item(0)  # ragged nesting: found at the read (len() is 2)
 
 
 class _Gloo:
-    """What :class:`_Source` asks of the runtime to share the scan: this rank, the world, and the real gather."""
+    """What :class:`DatasetSource` asks of the runtime to share the scan: this rank, the world, and the real gather."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -172,7 +172,7 @@ class _Unreadable:
 
 def _scan_worker(rank: int, world: int, broken: bool) -> str:
     try:
-        _Source(_Unreadable(broken), "train", None, False, runtime=_Gloo())  # item i is read by rank i % world
+        DatasetSource(_Unreadable(broken), "train", None, False, runtime=_Gloo())  # item i is read by rank i % world
     except ConfigError as exc:
         return str(exc)
     return "no error"
@@ -193,7 +193,7 @@ def test_a_bad_item_one_rank_scans_stops_every_rank_with_its_message(broken: boo
 
 
 def test_bytearray_items_are_read_as_byte_ids() -> None:
-    assert _Source([bytearray(b"\x01\x02\x03")], "train", None, False).item(0).tolist() == [1, 2, 3]
+    assert DatasetSource([bytearray(b"\x01\x02\x03")], "train", None, False).item(0).tolist() == [1, 2, 3]
 
 
 def _digest_worker(rank: int, world: int) -> str:
@@ -329,7 +329,7 @@ def test_pipeline_bubble_takes_what_users_pass() -> None:
 
 
 def test_token_ids_outside_the_vocabulary_name_the_item() -> None:
-    source = _Source([torch.tensor([1, 2, 3]), torch.tensor([5, 300, 7])], "train", None, False)
+    source = DatasetSource([torch.tensor([1, 2, 3]), torch.tensor([5, 300, 7])], "train", None, False)
     source.vocab_size = 258
     assert source.item(0).tolist() == [1, 2, 3]
     with pytest.raises(ValueError, match=r"train item 1 holds token id 300, outside the model's vocabulary of 258"):
@@ -338,8 +338,8 @@ def test_token_ids_outside_the_vocabulary_name_the_item() -> None:
         _vocab_source([torch.tensor([-1, 2])]).item(0)
 
 
-def _vocab_source(data) -> _Source:
-    source = _Source(data, "train", None, False)
+def _vocab_source(data) -> DatasetSource:
+    source = DatasetSource(data, "train", None, False)
     source.vocab_size = 258
     return source
 

@@ -284,7 +284,7 @@ def test_simulate_explains_its_columns_and_shows_progress(capsys):
 
 
 def test_errors_are_said_once(capsys):
-    from lightning_hydra.cli import report_error
+    from lightning_hydra.cli_errors import report_error
     from lightning_hydra.errors import ConfigError
 
     same_everywhere = ConfigError("global_batch_tokens=9 exceeds ...")
