@@ -107,7 +107,9 @@ def _reference(tmp: Path, model: DecoderLM, steps: int | None = None, epochs: in
     return json.loads((ref_dir / "rank0.json").read_text())[:-1], model
 
 
-def _hydra_run(tmp: Path, model: DecoderLM, policy: str, steps: int | None = None, epochs: int = 1) -> list[list[dict]]:
+def _hydra_run(
+    tmp: Path, model: DecoderLM, policy: str, steps: int | None = None, epochs: int = 1, **strategy_kw
+) -> list[list[dict]]:
     run_dir = tmp / policy
     run_dir.mkdir()
     # tiny documents: a small kernel tile in the cost model lets the plans use degrees up to 4 (what we test)
@@ -120,6 +122,7 @@ def _hydra_run(tmp: Path, model: DecoderLM, policy: str, steps: int | None = Non
         start_method="spawn",
         kernel="cpu",
         cost=cost,
+        **strategy_kw,
     )
     dm = HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5)
     trainer = _trainer(4, run_dir, strategy=strategy, max_steps=steps or -1, max_epochs=epochs)
