@@ -75,7 +75,9 @@ class CPAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, cp: CPContext) -> None:
         super().__init__()
         if hidden % heads or heads % kv_heads:
-            raise ValueError(f"hidden {hidden}, heads {heads} and kv_heads {kv_heads} do not divide evenly")
+            raise ValueError(
+                f"num_heads={heads} must divide hidden_size={hidden}, and num_kv_heads={kv_heads} must divide num_heads"
+            )
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
@@ -205,11 +207,6 @@ class DecoderLM(HydraModule):
         ):  # fmt: skip
             check_int(name, value)
         check_int("ffn_hidden_size", ffn_hidden_size, low=0, none=True)  # 0 and None: the default width
-        if hidden_size % num_heads or num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads={num_heads} must divide hidden_size={hidden_size}, and num_kv_heads={num_kv_heads} "
-                "must divide num_heads"
-            )
         check_number("rope_theta", rope_theta, low=0.0, low_open=True)
         check_number("norm_eps", norm_eps, low=0.0, low_open=True)
         check_number("init_std", init_std, low=0.0)

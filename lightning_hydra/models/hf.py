@@ -21,7 +21,6 @@ from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
 from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
 from lightning_hydra.models.stages import keep_stage_layers
-from lightning_hydra.planner import Group
 
 __all__ = ["HFCausalLM", "apply_hf", "hydra_hf_attention", "remove_hf", "unsupported_attention"]
 
@@ -303,17 +302,6 @@ class HFCausalLM(HydraModule):
     @override
     def microbatch_loss(self, mb: RankMicrobatch) -> torch.Tensor:
         return self(mb.input_ids, mb.position_ids, labels=mb.labels)
-
-    @override
-    def _zero_token_microbatch(self, rank: int) -> RankMicrobatch:
-        """One token whose label is ignored (a shard of two: the zigzag layout pads it), on this rank alone:
-        transformers' models reshape with ``-1``, which an empty input leaves ambiguous (every sharded run of a Hugging
-        Face model crashed at the first microbatch a rank sat out). Its forward and backward run every module's
-        hooks, and add exactly zero to the loss and the gradients."""
-        tokens = torch.zeros(2, dtype=torch.long, device=self.device)  # the token and its zigzag padding
-        ignored = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
-        positions = torch.arange(2, dtype=torch.long, device=self.device)
-        return RankMicrobatch(tokens, ignored, positions, (0, 1), Group((rank,), 1, 1), ())
 
     # ------------------------------------------------------------------ pipeline stages (Llama-family layout)
     def _decoder(self) -> nn.Module:

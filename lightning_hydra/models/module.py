@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.datamodule import resolve
-from lightning_hydra.data.packing import RankMicrobatch, StepBatch
+from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch, StepBatch
 from lightning_hydra.errors import check_int, check_number
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
@@ -235,10 +235,15 @@ class HydraModule(pl.LightningModule):
         return int(self.model_shape()["hidden_size"])  # type: ignore[arg-type]
 
     def _zero_token_microbatch(self, rank: int) -> RankMicrobatch:
-        """An empty microbatch on this rank alone (degree 1): a forward and backward that compute nothing but run
-        every module's hooks (sharded state gathers and reduces parameters in them)."""
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        return RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), Group((rank,), 1, 1), ())
+        """The shard a rank runs in a microbatch it sits out (sharded state gathers and reduces parameters in every
+        module's hooks): one token whose label is ignored, on this rank alone (a shard of two: the zigzag layout pads
+        it). Its forward and backward add exactly zero to the loss and the gradients. Not an empty shard: models that
+        reshape with ``-1`` (every transformers model) cannot take one, and every sharded run of a Hugging Face model
+        crashed at the first microbatch a rank sat out."""
+        tokens = torch.zeros(2, dtype=torch.long, device=self.device)  # the token and its zigzag padding
+        ignored = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
+        positions = torch.arange(2, dtype=torch.long, device=self.device)
+        return RankMicrobatch(tokens, ignored, positions, (0, 1), Group((rank,), 1, 1), ())
 
     def _clip_gradients(self, optimizer: Any, runtime: Any) -> None:
         """Clip to ``max_grad_norm`` by the norm of the global gradient: over every shard (sharded state) and every
