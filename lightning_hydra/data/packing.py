@@ -17,7 +17,15 @@ import torch
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_source_index
 from lightning_hydra.planner import Group, Plan
 
-__all__ = ["IGNORE_INDEX", "RankMicrobatch", "StepBatch", "pack_rank", "rank_sequences", "trained_tokens"]
+__all__ = [
+    "IGNORE_INDEX",
+    "RankMicrobatch",
+    "StepBatch",
+    "pack_groups",
+    "pack_rank",
+    "rank_sequences",
+    "trained_tokens",
+]
 
 IGNORE_INDEX = -100
 """Label of tokens that are not trained (the last token of a document, padding)."""
@@ -130,10 +138,20 @@ def pack_rank(
         pad_id: Token id of padding.
         dataset_ids: Dataset index of every batch sequence (recorded in ``seq_ids``); default the batch index.
     """
-    ids_of = list(range(len(plan.lengths))) if dataset_ids is None else [int(i) for i in dataset_ids]
+    return pack_groups(sequences, plan.groups_of(rank), rank, pad_id, dataset_ids)
+
+
+def pack_groups(
+    sequences: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+    groups: Sequence[Group],
+    rank: int,
+    pad_id: int = 0,
+    dataset_ids: Sequence[int] | None = None,
+) -> list[RankMicrobatch]:
+    """:func:`pack_rank` from the rank's group in every microbatch (:meth:`Plan.groups_of`) instead of the whole plan
+    (what a planning process sends back, :class:`~lightning_hydra.planner.worker.PlannedStep`)."""
     out = []
-    for m in range(plan.num_microbatches):
-        g = plan.group_of(m, rank)
+    for g in groups:
         if not g.seq_ids:
             empty = torch.zeros(0, dtype=torch.long)
             out.append(RankMicrobatch(empty, empty.clone(), empty.clone(), (0,), g, ()))
@@ -151,11 +169,17 @@ def pack_rank(
         lab = torch.full((meta.shard_len,), IGNORE_INDEX, dtype=torch.long)
         ids[real] = tokens[source[real]]
         lab[real] = labels[source[real]]
-        seq_ids = tuple(ids_of[i] for i in g.seq_ids)
+        seq_ids = g.seq_ids if dataset_ids is None else tuple(int(dataset_ids[i]) for i in g.seq_ids)
         out.append(RankMicrobatch(ids, lab, positions, tuple(cu), g, seq_ids))
     return out
 
 
-def rank_sequences(plan: Plan, rank: int) -> list[int]:
-    """Batch indices of the sequences ``rank`` holds a shard of in any microbatch (what it must read), sorted."""
-    return sorted({i for m in range(plan.num_microbatches) for i in plan.group_of(m, rank).seq_ids})
+def rank_sequences(plan: Plan | Sequence[Group], rank: int) -> list[int]:
+    """Batch indices of the sequences ``rank`` holds a shard of in any microbatch (what it must read), sorted.
+
+    Args:
+        plan: The plan of the global batch, or the rank's group in every microbatch (:meth:`Plan.groups_of`).
+        rank: This rank.
+    """
+    groups = plan.groups_of(rank) if isinstance(plan, Plan) else plan
+    return sorted({i for g in groups for i in g.seq_ids})

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lightning_hydra.planner.config import PlannerConfig
+from lightning_hydra.planner.config import BatchPlanner, PlannerConfig
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
 from lightning_hydra.planner.hydra import schedule_hydra
@@ -21,6 +21,7 @@ from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.static import schedule_static
 
 __all__ = [
+    "BatchPlanner",
     "POLICIES",
     "CostModel",
     "DegreeRules",

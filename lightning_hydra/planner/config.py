@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.plan import Plan
 
-__all__ = ["PlannerConfig"]
+__all__ = ["BatchPlanner", "PlannerConfig"]
 
 
 @dataclass(kw_only=True)
@@ -73,4 +74,38 @@ class PlannerConfig:
             max_seq_len=self.max_seq_len,
             pipeline_stages=self.pipeline_stages,
             mcore_budget=self.mcore_budget,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlanner:
+    """A :class:`PlannerConfig` bound to a pool: everything a global batch's plan depends on but its lengths, seed
+    and cost model. Pure and picklable, so a planning thread or a planning process
+    (:mod:`lightning_hydra.planner.worker`) computes the plan a runtime would."""
+
+    config: PlannerConfig
+    """The planner settings."""
+    world_size: int
+    """Ranks of the CP pool (one pipeline stage's)."""
+    num_heads: int | None = None
+    """Attention heads of the model (they bound the Ulysses degree; ``None``: unknown)."""
+    num_kv_heads: int | None = None
+    """Key/value heads of the model (``None``: as many as ``num_heads``)."""
+    whole_batch: bool = False
+    """Plan the whole batch into one microbatch on one rank (its capacity raised to the batch's tokens): a run
+    without the strategy."""
+
+    def plan(self, lengths: Sequence[int] | np.ndarray, *, seed: int, cost: CostModel) -> Plan:
+        """The plan of one global batch of ``lengths`` (the same on every rank and in any process)."""
+        config = self.config
+        if self.whole_batch:
+            capacity = sum(shard_tokens(int(n), 1) for n in lengths)
+            config = replace(config, max_tokens_per_rank=max(capacity, 1))
+        return config.schedule(
+            lengths,
+            world_size=self.world_size,
+            cost=cost,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            seed=seed,
         )

@@ -135,6 +135,10 @@ class Plan:
                 return g
         raise PlanError(f"rank {rank} is in no group of microbatch {microbatch}")
 
+    def groups_of(self, rank: int) -> tuple[Group, ...]:
+        """The group ``rank`` belongs to in every microbatch (all a rank reads of the plan to pack its share)."""
+        return tuple(self.group_of(m, rank) for m in range(self.num_microbatches))
+
     # ------------------------------------------------------------------ per-rank views
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The plan as flat arrays: per group its microbatch, first rank, Ulysses and ring degrees; per placed

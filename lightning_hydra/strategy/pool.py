@@ -16,7 +16,7 @@ from torch import nn
 from lightning_hydra.cp import CPGroup, GroupCache
 from lightning_hydra.cp.groups import aligned_blocks
 from lightning_hydra.metrics.record import StepGather
-from lightning_hydra.planner import CostModel, Group, Plan
+from lightning_hydra.planner import BatchPlanner, CostModel, Group
 from lightning_hydra.strategy.checks import all_gather_single, check_digests, check_fits
 from lightning_hydra.strategy.gradients import GradientReducer
 from lightning_hydra.strategy.pipeline import PipelineLayout
@@ -116,16 +116,11 @@ class PoolRuntime(HydraRuntime):
         return self.local_world_size > cores
 
     # ------------------------------------------------------------------ planning
-    def plan_batch(self, lengths: np.ndarray, *, seed: int, cost: CostModel | None = None) -> Plan:
-        """Plan one global batch onto the pool (pure and deterministic: every rank gets the same plan)."""
+    def batch_planner(self) -> BatchPlanner:
+        """The pool's planner settings, its size and the bound module's heads."""
         heads, kv_heads = self.heads
-        return self.planner_config.schedule(
-            lengths,
-            world_size=self.world_size,
-            cost=cost or self.cost_model,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            seed=seed,
+        return BatchPlanner(
+            config=self.planner_config, world_size=self.world_size, num_heads=heads, num_kv_heads=kv_heads
         )
 
     def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:

@@ -17,7 +17,6 @@ The order of the world collectives is the same on every rank whatever its plan, 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -31,7 +30,7 @@ from torch import nn
 from lightning_hydra.cp import CPGroup
 from lightning_hydra.metrics.record import StepRecord, step_row
 from lightning_hydra.metrics.timing import StepTiming
-from lightning_hydra.planner import CostModel, DegreeRules, Group, Plan, PlannerConfig, shard_tokens
+from lightning_hydra.planner import BatchPlanner, CostModel, DegreeRules, Group, Plan, PlannerConfig
 from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator
 from lightning_hydra.strategy.clipping import clip_grad_norm
 
@@ -186,9 +185,14 @@ class HydraRuntime(ABC):
 
     # ------------------------------------------------------------------ planning (pure, any thread)
     @abstractmethod
+    def batch_planner(self) -> BatchPlanner:
+        """What a plan depends on besides the batch and the cost model (pure and picklable: a planning thread or
+        a planning process, :mod:`lightning_hydra.planner.worker`, plans with it)."""
+
     def plan_batch(self, lengths: np.ndarray, *, seed: int, cost: CostModel | None = None) -> Plan:
         """Plan one global batch with ``cost`` (default: the current model). Pure: callable from a planning
         thread; the same inputs give the same plan on every rank."""
+        return self.batch_planner().plan(lengths, seed=seed, cost=cost or self.cost_model)
 
     @abstractmethod
     def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:
@@ -320,13 +324,11 @@ class LocalRuntime(HydraRuntime):
         super().__init__(planner_config=config, device=device, global_rank=0, world_size=1)
         self.bind(module)
 
-    def plan_batch(self, lengths: np.ndarray, *, seed: int, cost: CostModel | None = None) -> Plan:
+    def batch_planner(self) -> BatchPlanner:
         """One microbatch holding every sequence on rank 0."""
-        capacity = sum(shard_tokens(int(n), 1) for n in lengths)
-        config = dataclasses.replace(self.planner_config, max_tokens_per_rank=max(capacity, 1))
         heads, kv_heads = self.heads
-        return config.schedule(
-            lengths, world_size=1, cost=cost or self.cost_model, num_heads=heads, num_kv_heads=kv_heads, seed=seed
+        return BatchPlanner(
+            config=self.planner_config, world_size=1, num_heads=heads, num_kv_heads=kv_heads, whole_batch=True
         )
 
     def check_fits(self, longest: int, split: str, global_batch_tokens: int) -> None:
