@@ -52,14 +52,17 @@ def _recipe(tmp: Path) -> Path:
 
 def _terminate_when_training(main: subprocess.Popen, tmp: Path) -> tuple[float, int | None]:
     """Wait for the second step's record, send SIGTERM to the launching process; return the seconds until no rank
-    runs (60 at most) and the exit status."""
+    and no planning process runs (60 at most) and the exit status."""
     records = tmp / "sigterm" / "version_0" / "hydra_steps.jsonl"
     deadline = time.monotonic() + 400
     while not (records.exists() and len(records.read_text().splitlines()) >= 2):
         assert main.poll() is None, (tmp / "err.txt").read_text()[-3000:]
         assert time.monotonic() < deadline, "the run did not reach its second step"
         time.sleep(0.5)
-    assert len(_alive(main.pid)) == 4  # the launching process and the three ranks it started
+    alive = _alive(main.pid)
+    workers = [pid for pid in alive if b"lightning_hydra.planner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    # the launching process and the three ranks it started, each rank with its planning process
+    assert (len(alive) - len(workers), len(workers)) == (4, 4)
     sent = time.monotonic()
     main.send_signal(signal.SIGTERM)  # as `kill`; SLURM signals every rank, which works the same way
     # the launching process counts until it can be reaped: its main thread may show as a zombie in /proc while its
