@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -20,10 +21,11 @@ from lightning_hydra.data.packing import StepBatch, pack_groups, rank_sequences,
 from lightning_hydra.data.source import DatasetSource, checked_lengths, scan_lengths
 from lightning_hydra.errors import ConfigError, check_bool, check_int
 from lightning_hydra.planner import CostModel
-from lightning_hydra.planner.worker import PlanWorker, plan_step
+from lightning_hydra.planner.worker import PlanWorker, plan_step, read_plan
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
+
 
 __all__ = ["HydraDataModule", "PendingStep", "model_vocab_size", "resolve", "scan_lengths"]
 
@@ -363,7 +365,13 @@ class HydraDataModule(pl.LightningDataModule):
         lengths = source.lengths[indices]
         rank = runtime.global_rank
         seed = self.seed + epoch * 1_000_003 + step
-        if self.plan_ahead and self.planning_process:
+        from lightning_hydra.strategy.runtime import HydraRuntime
+
+        if type(runtime).plan_batch is not HydraRuntime.plan_batch:  # a runtime of the user's that plans its own way
+            start = time.perf_counter()
+            plan = runtime.plan_batch(lengths, seed=seed, cost=cost)
+            planned = read_plan(plan, cost, rank, 1e3 * (time.perf_counter() - start))
+        elif self.plan_ahead and self.planning_process:
             planned = self._worker.plan_step(runtime.batch_planner(), lengths, seed=seed, cost=cost, rank=rank)
         else:
             planned = plan_step(runtime.batch_planner(), lengths, seed=seed, cost=cost, rank=rank)
@@ -387,7 +395,12 @@ class HydraDataModule(pl.LightningDataModule):
 
     @override
     def teardown(self, stage: str) -> None:
-        """Stop the planning process (a later loop starts a new one)."""
+        """Stop the planning process (a later loop's set-up starts a new one)."""
+        self.close_planning()
+
+    def close_planning(self) -> None:
+        """Stop the planning process (:class:`~lightning_hydra.HydraStrategy` also calls this at its teardown,
+        which Lightning runs where a fit fails too, when the DataModule's is skipped)."""
         self._worker.close()
 
     # ------------------------------------------------------------------ resume

@@ -503,6 +503,10 @@ class HydraStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None:
             remove_cp(module)
+            # Lightning skips the DataModule's teardown where a fit fails; its planning process stops here too
+            close = getattr(getattr(getattr(module, "_trainer", None), "datamodule", None), "close_planning", None)
+            if callable(close):
+                close()
         if self.runtime is not None:
             cache = self.runtime.cache
             log.debug("HydraStrategy teardown: %d CP communicators held, %d created", len(cache), cache.created)
