@@ -25,8 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _disable_module_memory_sharing,
+    _GlobalStateSnapshot,
+    _WorkerOutput,
+)
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -130,16 +135,42 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     stays referenced (FSDP2 keeps its mesh's groups for the model's lifetime) keeps its threads, and those get
     :data:`EXIT_SETTLE_S` with the GIL released to drop their last work (measured on 4 spawned Gloo ranks that
     train a FSDP2 model, gather its full weights and return: 4 aborts in 80 runs without the pause, none in 120
-    with it)."""
+    with it).
+
+    A ``forkserver`` rank starts as a ``spawn`` rank does: Lightning gives only ``spawn`` ranks the launching
+    process's global state (random generators, deterministic flags) and private copies of the model's CPU tensors,
+    and a rank forked from the server has the server's environment variables, not the launching process's. Without
+    the copies, every rank of a CPU run would update the same shared parameter memory (each step applied once per
+    rank); without the environment, ``PL_GLOBAL_SEED`` and any variable set before ``fit`` would be missing."""
+
+    _forkserver_state: tuple[dict[str, str], _GlobalStateSnapshot] | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         _run_preflight(self._strategy, trainer, args)
+        if self._start_method == "forkserver":  # pickled with this launcher into each rank
+            environ = {**os.environ, "MASTER_PORT": str(self._strategy.cluster_environment.main_port)}  # as Lightning
+            self._forkserver_state = (environ, _GlobalStateSnapshot.capture())
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
+    def _wrapping_function(
+        self,
+        process_idx: int,
+        trainer: pl.Trainer | None,
+        function: Callable,
+        args: Any,
+        kwargs: Any,
+        *rest: Any,
+    ) -> None:
+        if self._forkserver_state is not None:
+            environ, global_states = self._forkserver_state
+            os.environ.clear()
+            os.environ.update(environ)
+            global_states.restore()
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
         # after a normal return only: a rank that raised must not block in a collective teardown while its peers
         # may still wait in a collective (the error reaches the parent instead)
         if torch.distributed.is_available() and torch.distributed.is_initialized():

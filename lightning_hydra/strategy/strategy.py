@@ -145,7 +145,8 @@ class HydraStrategy(ParallelStrategy):
             process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by accelerator).
             timeout: Collective timeout.
             start_method: How Lightning launches the processes (``"popen"``, ``"spawn"``, ``"fork"``,
-                ``"forkserver"``).
+                ``"forkserver"``; a ``forkserver`` rank gets the launching process's environment, global state and a
+                copy of the model of its own, as a ``spawn`` rank does).
 
         Raises:
             ValueError: An unknown name or an out-of-range number, with what is allowed.
