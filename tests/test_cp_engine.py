@@ -157,7 +157,7 @@ def _eight_rank_worker(rank: int, world: int, cases: list[tuple]) -> dict[str, l
 
 @pytest.fixture(scope="module")
 def eight_ranks() -> list[dict[str, list[tuple]]]:
-    """Per rank, the results of :func:`_eight_rank_worker` on 8 spawned gloo ranks."""
+    """Per rank, the results of :func:`_eight_rank_worker` on 8 gloo ranks."""
     return run_world(8, _eight_rank_worker, _cases(8), timeout=600)
 
 

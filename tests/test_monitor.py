@@ -1,4 +1,4 @@
-"""BubbleMonitor and closed-loop calibration on a real 4-rank run (Lightning's spawn launcher, gloo)."""
+"""BubbleMonitor and closed-loop calibration on a real 4-rank run (Lightning's multiprocessing launcher, gloo)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _fit(tmp: Path, name: str, steps: int, cost, ckpt_path: str | None = None) -
         max_tokens_per_rank=1024,
         num_microbatches=2,
         ranks_per_node=2,
-        start_method="spawn",
+        start_method="forkserver",
         kernel="cpu",
         cost=cost,
         calibrate=True,

@@ -88,7 +88,7 @@ def test_pipeline_trains_like_one_process(tmp_path: Path, reference, stages: int
         max_tokens_per_rank=capacity,
         num_microbatches=6,
         ranks_per_node=4 // stages,
-        start_method="spawn",
+        start_method="forkserver",
         kernel="cpu",
         cost=make_model().cost_model().replace(min_chunk_tokens=16),
     )

@@ -79,7 +79,7 @@ def _fit(
 
 
 class _ExitRecorder(SpawnLauncher):
-    """The spawn launcher, each worker writing what it still holds once it has released its process groups."""
+    """Lightning's multiprocessing launcher, each worker writing what it holds once it has released its groups."""
 
     def _wrapping_function(self, *args, **kwargs) -> None:
         super()._wrapping_function(*args, **kwargs)
@@ -103,7 +103,7 @@ def _strategy(sharding: str, capacity: int = 80, exit_log: Path | None = None, *
     strategy = cls(
         max_tokens_per_rank=capacity,
         ranks_per_node=2,
-        start_method="spawn",
+        start_method="forkserver",
         kernel="cpu",
         sharding=sharding,
         cost=make_model().cost_model().replace(min_chunk_tokens=16),
