@@ -3,8 +3,8 @@ and fail on a hang instead of hanging.
 
 Ranks start from a fork server where the platform has one: a spawned rank imports torch and Lightning again (10-25 s
 for 4 ranks on 2 cores), a rank forked from the server starts with what :func:`preload_for_ranks` imported there once
-(0.2 s). The rank is still a fresh process given its arguments by pickling, as under ``spawn``, and it takes the
-caller's environment variables of the moment, not the server's."""
+(0.2 s; this package's modules take 0.1 s more). The rank is still a fresh process given its arguments by
+pickling, as under ``spawn``, and it takes the caller's environment variables of the moment, not the server's."""
 
 from __future__ import annotations
 
@@ -30,16 +30,30 @@ RANK_START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_star
 
 
 def preload_for_ranks(modules: list[str]) -> None:
-    """Import ``modules`` once in the fork server that ranks start from, so that each rank starts with them imported.
+    """Start the fork server that ranks start from, with ``modules`` imported once there, so that each rank starts
+    with them imported.
 
-    Takes effect only before the server's first start (the first :func:`run_world` or ``forkserver`` launch of this
-    process); a no-op where ranks are spawned. The modules must not start threads or touch an accelerator at import.
+    Call it once, early (a test configuration at import): the server is started now, with this process's
+    environment of the moment, and lives as long as this process; a later call, or a server already started, changes
+    nothing. A no-op where ranks are spawned. The modules must be safe to fork after import and touch no
+    accelerator (torch, numpy and Lightning are). Only third-party modules: Python starts the server without the
+    caller's module search path, so this package's modules (of which a checkout and an installed copy may both be
+    on a path) are imported by each rank, after it has taken the caller's path.
 
     Args:
         modules: Module names, e.g. ``["torch", "lightning.pytorch"]``.
+
+    Raises:
+        ValueError: A module of this package.
     """
+    ours = [m for m in modules if m.split(".")[0] == __name__.split(".")[0]]
+    if ours:
+        raise ValueError(f"preload third-party modules only: each rank imports {ours} from the caller's path")
     if RANK_START_METHOD == "forkserver":
+        from multiprocessing import forkserver
+
         multiprocessing.set_forkserver_preload(list(modules))
+        forkserver.ensure_running()
 
 
 def _free_port() -> int:

@@ -7,21 +7,9 @@ import pytest
 from lightning_hydra.planner import CostModel
 from lightning_hydra.testing import preload_for_ranks
 
-# ranks start from a fork server that imported these once (a spawned rank imports them again: 10-25 s per test)
-preload_for_ranks(
-    [
-        "torch",
-        "torch.distributed",
-        "lightning.pytorch",
-        "lightning_hydra.cp",
-        "lightning_hydra.data",
-        "lightning_hydra.metrics",
-        "lightning_hydra.models",
-        "lightning_hydra.planner",
-        "lightning_hydra.strategy",
-        "lightning_hydra.testing",
-    ]
-)
+# ranks start from a fork server that imported these once (a spawned rank imports them again: 10-25 s per test),
+# started here, before any test could change the environment it keeps
+preload_for_ranks(["torch", "torch.distributed", "lightning.pytorch"])
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from lightning_hydra.metrics.record import StepGather
 from lightning_hydra.metrics.timing import MicrobatchTimer
 from lightning_hydra.planner import Group, PlannerConfig
 from lightning_hydra.strategy import GradientReducer, PoolRuntime
-from lightning_hydra.testing import run_world
+from lightning_hydra.testing import preload_for_ranks, run_world
 
 
 def test_aligned_blocks_cover_every_ulysses_degree() -> None:
@@ -246,3 +246,19 @@ def test_clipping_matches_torch_on_whole_gradients_and_sums_stage_norms() -> Non
     torch.testing.assert_close(c[0].grad, torch.tensor([3.0, 0.0]) / (50**0.5 + 1e-6))
     with pytest.raises(ValueError, match="max_norm must be positive"):
         clip_grad_norm(c, 0.0)
+
+
+def _package_file(rank: int, world: int) -> str:
+    import lightning_hydra
+
+    return lightning_hydra.__file__
+
+
+def test_ranks_run_the_callers_copy_of_the_package():
+    """The fork server is started without the caller's module search path: a rank imports this package after taking
+    it (never from the server), so a checkout beside an installed copy tests itself."""
+    import lightning_hydra
+
+    assert run_world(2, _package_file) == [lightning_hydra.__file__] * 2
+    with pytest.raises(ValueError, match="third-party modules only"):
+        preload_for_ranks(["torch", "lightning_hydra.planner"])

@@ -67,6 +67,13 @@ class Recorder(pl.Callback):
     def __init__(self, out: str) -> None:
         self.out = out
         self.rows: list[dict] = []
+        self.seed = -1
+
+    def __setstate__(self, state: dict) -> None:  # in a rank: what the environment says as its arguments arrive
+        self.__dict__.update(state, unpickled_mark=os.environ.get(MARK))
+
+    def on_train_start(self, trainer, module) -> None:
+        self.seed = torch.initial_seed()  # the launching process's (nothing seeds the ranks)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         tokens, groups = [], []
@@ -97,7 +104,9 @@ class Recorder(pl.Callback):
 
     def on_train_end(self, trainer, module) -> None:
         reads = dict(trainer.datamodule.train_dataset.reads)
-        self.rows.append({"reads": {str(k): v for k, v in reads.items()}, "mark": os.environ.get(MARK)})
+        last = {"reads": {str(k): v for k, v in reads.items()}, "mark": os.environ.get(MARK), "seed": self.seed}
+        last["unpickled_mark"] = getattr(self, "unpickled_mark", None)
+        self.rows.append(last)
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
@@ -164,11 +173,13 @@ def test_four_ranks_train_exactly_like_one_process(tmp_path: Path, monkeypatch) 
     model = copy.deepcopy(base)
     multiprocessing.forkserver.ensure_running()  # started before the variable is set: the launcher must pass it
     monkeypatch.setenv(MARK, uuid.uuid4().hex)
+    torch.manual_seed(4321)
     runs = _hydra_run(tmp_path, model, "hydra")
-    # each rank has its own copy of the model (ranks sharing one would each apply every step) and the environment
-    # of the launching process at launch, not the fork server's
+    # each rank has its own copy of the model (ranks sharing one would each apply every step), and the environment
+    # and random state of the launching process at launch, not the fork server's
     _assert_same_training(ref_rows, ref_model, runs, model)
-    assert [rank[-1]["mark"] for rank in runs] == [os.environ[MARK]] * 4
+    assert [(rank[-1]["mark"], rank[-1]["unpickled_mark"]) for rank in runs] == [(os.environ[MARK],) * 2] * 4
+    assert [rank[-1]["seed"] for rank in runs] == [4321] * 4
     # the plans split sequences over groups of 2 and 4 ranks, with Ulysses > 1 and ring > 1 (the engine's tests
     # cover every factorization; here the point is that the strategy runs them exactly)
     used = {tuple(g) for rank in runs for row in rank[:-1] for g in row["groups"]}

@@ -123,6 +123,22 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
+class _Environment:
+    """Environment variables that replace a process's own where this object is unpickled."""
+
+    def __init__(self, environ: dict[str, str]) -> None:
+        self.environ = environ
+
+    def __reduce__(self) -> tuple[Callable, tuple[dict[str, str]]]:
+        return _set_environment, (self.environ,)
+
+
+def _set_environment(environ: dict[str, str]) -> None:
+    """Replace this process's environment variables with ``environ`` (unpickling an :class:`_Environment`)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``), running :func:`preflight` first
     and releasing the process groups when a worker's function returns normally.
@@ -141,17 +157,34 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     process's global state (random generators, deterministic flags) and private copies of the model's CPU tensors,
     and a rank forked from the server has the server's environment variables, not the launching process's. Without
     the copies, every rank of a CPU run would update the same shared parameter memory (each step applied once per
-    rank); without the environment, ``PL_GLOBAL_SEED`` and any variable set before ``fit`` would be missing."""
+    rank); without the environment, ``PL_GLOBAL_SEED`` and any variable set before ``fit`` would be missing. The
+    environment is set as the rank unpickles this launcher, before the trainer, model and data it is given (and
+    what they import); modules the fork server itself imported keep what they read there."""
 
     _forkserver_state: tuple[dict[str, str], _GlobalStateSnapshot] | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         _run_preflight(self._strategy, trainer, args)
-        if self._start_method == "forkserver":  # pickled with this launcher into each rank
+        if self._start_method == "forkserver":  # pickled with this launcher into each rank, then dropped
             environ = {**os.environ, "MASTER_PORT": str(self._strategy.cluster_environment.main_port)}  # as Lightning
             self._forkserver_state = (environ, _GlobalStateSnapshot.capture())
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            self._forkserver_state = None
+
+    @override
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        if self._forkserver_state is not None:  # first: set before anything else the rank is given is unpickled
+            state = {"_environment": _Environment(self._forkserver_state[0]), **state}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in a rank (the environment, if any, is set already)."""
+        state.pop("_environment", None)
+        self.__dict__.update(state)
 
     @override
     def _wrapping_function(
@@ -164,10 +197,7 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         *rest: Any,
     ) -> None:
         if self._forkserver_state is not None:
-            environ, global_states = self._forkserver_state
-            os.environ.clear()
-            os.environ.update(environ)
-            global_states.restore()
+            self._forkserver_state[1].restore()
             if isinstance(self._strategy.accelerator, CPUAccelerator):
                 args, kwargs = _disable_module_memory_sharing((args, kwargs))
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
