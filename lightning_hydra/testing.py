@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_hydra._environ import LaunchEnvironment
+
 __all__ = ["RANK_START_METHOD", "preload_for_ranks", "quiet_trainer", "run_world"]
 
 RANK_START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
@@ -64,16 +66,15 @@ def _free_port() -> int:
 
 def _worker(
     rank: int,
+    environ: None,
     world: int,
     port: int,
     out_dir: str,
     fn: Callable[..., Any],
     args: tuple,
     threads: int,
-    environ: dict[str, str],
 ) -> None:
-    os.environ.clear()  # the caller's environment, as a spawned rank has it (a fork server's is its own)
-    os.environ.update(environ)
+    del environ  # a LaunchEnvironment: the caller's variables, set before ``fn`` and ``args`` were unpickled
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -106,7 +107,7 @@ def run_world(
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world, _free_port(), out_dir, fn, args, threads, dict(os.environ)),
+            args=(LaunchEnvironment(dict(os.environ)), world, _free_port(), out_dir, fn, args, threads),
             nprocs=world,
             join=False,
             start_method=start_method,

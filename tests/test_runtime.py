@@ -3,6 +3,8 @@ digest checks on the backend's device, timers that do not synchronise per microb
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -248,17 +250,30 @@ def test_clipping_matches_torch_on_whole_gradients_and_sums_stage_norms() -> Non
         clip_grad_norm(c, 0.0)
 
 
-def _package_file(rank: int, world: int) -> str:
+class _EnvironmentProbe:
+    """Reads a variable as it is unpickled in a rank."""
+
+    def __init__(self) -> None:
+        self.seen: str | None = None  # some state: an object without any is unpickled without __setstate__
+
+    def __setstate__(self, state: dict) -> None:
+        self.seen = os.environ.get("LIGHTNING_HYDRA_TEST_MARK")
+
+
+def _package_and_mark(rank: int, world: int, probe: _EnvironmentProbe) -> tuple[str, str | None, str | None]:
     import lightning_hydra
 
-    return lightning_hydra.__file__
+    return lightning_hydra.__file__, probe.seen, os.environ.get("LIGHTNING_HYDRA_TEST_MARK")
 
 
-def test_ranks_run_the_callers_copy_of_the_package():
+def test_ranks_run_the_callers_package_in_the_callers_environment(monkeypatch):
     """The fork server is started without the caller's module search path: a rank imports this package after taking
-    it (never from the server), so a checkout beside an installed copy tests itself."""
+    it (never from the server), so a checkout beside an installed copy tests itself. A variable set after the server
+    started is seen by the rank already as its arguments are unpickled."""
     import lightning_hydra
 
-    assert run_world(2, _package_file) == [lightning_hydra.__file__] * 2
+    monkeypatch.setenv("LIGHTNING_HYDRA_TEST_MARK", "set after the server started")
+    expected = (lightning_hydra.__file__, "set after the server started", "set after the server started")
+    assert run_world(2, _package_and_mark, _EnvironmentProbe()) == [expected] * 2
     with pytest.raises(ValueError, match="third-party modules only"):
         preload_for_ranks(["torch", "lightning_hydra.planner"])

@@ -35,6 +35,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_hydra._environ import LaunchEnvironment
 from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
 from lightning_hydra.errors import ConfigError
 from lightning_hydra.strategy.checks import check_fits, check_heads, check_pool
@@ -123,22 +124,6 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class _Environment:
-    """Environment variables that replace a process's own where this object is unpickled."""
-
-    def __init__(self, environ: dict[str, str]) -> None:
-        self.environ = environ
-
-    def __reduce__(self) -> tuple[Callable, tuple[dict[str, str]]]:
-        return _set_environment, (self.environ,)
-
-
-def _set_environment(environ: dict[str, str]) -> None:
-    """Replace this process's environment variables with ``environ`` (unpickling an :class:`_Environment`)."""
-    os.environ.clear()
-    os.environ.update(environ)
-
-
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``), running :func:`preflight` first
     and releasing the process groups when a worker's function returns normally.
@@ -178,7 +163,7 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         if self._forkserver_state is not None:  # first: set before anything else the rank is given is unpickled
-            state = {"_environment": _Environment(self._forkserver_state[0]), **state}
+            state = {"_environment": LaunchEnvironment(self._forkserver_state[0]), **state}
         return state
 
     def __setstate__(self, state: dict) -> None:
