@@ -68,6 +68,7 @@ class Recorder(pl.Callback):
         self.out = out
         self.rows: list[dict] = []
         self.seed = -1
+        self.unpickled_mark: str | None = None
 
     def __setstate__(self, state: dict) -> None:  # in a rank: what the environment says as its arguments arrive
         self.__dict__.update(state, unpickled_mark=os.environ.get(MARK))
@@ -104,9 +105,8 @@ class Recorder(pl.Callback):
 
     def on_train_end(self, trainer, module) -> None:
         reads = dict(trainer.datamodule.train_dataset.reads)
-        last = {"reads": {str(k): v for k, v in reads.items()}, "mark": os.environ.get(MARK), "seed": self.seed}
-        last["unpickled_mark"] = getattr(self, "unpickled_mark", None)
-        self.rows.append(last)
+        marks = {"mark": os.environ.get(MARK), "unpickled_mark": self.unpickled_mark}
+        self.rows.append({"reads": {str(k): v for k, v in reads.items()}, **marks, "seed": self.seed})
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
