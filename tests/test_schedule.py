@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
-from lightning_hydra.planner.formation import REACH, DegreeSet, form, layout
+from lightning_hydra.planner.formation import REACH, DegreeSet, form
 from lightning_hydra.planner.hydra import MCORE_BUDGET, MCORE_BUDGET_MEMORY, MCORE_REACH
+from lightning_hydra.planner.layout import layout
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import Scored
 
