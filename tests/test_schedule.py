@@ -278,6 +278,58 @@ def test_a_fixed_cost_per_microbatch_does_not_change_how_a_formation_balances(di
         assert fixed == pytest.approx(plain + 0.05 * count, rel=1e-9), name
 
 
+def test_a_long_sequence_on_a_small_batch_leaves_the_others_ranks_in_the_last_microbatch(cost: CostModel) -> None:
+    """One 1M-token sequence among 600 short ones on 4,096 ranks in one microbatch: the long one's cheapest class is
+    the whole pool (1.5% faster than half of it), and the last microbatch, which must take everything, piled the 600
+    others into its group (a step 10x the long sequence's time alone). Formed at the water level, the long sequence
+    takes half the pool and the others the rest."""
+    rng = np.random.default_rng(1)
+    lengths = np.concatenate([[1 << 20], rng.integers(1024, 8192, 600)])
+    kw = {"world": 4096, "capacity": 16384, "microbatches": 1, "max_seq_len": 1 << 20}
+    alone = float(_run(lengths[:1], "hydra", cost, **kw).loads(cost).max())
+    plan = _run(lengths, "hydra", cost, **kw)
+    assert float(plan.loads(cost).max()) <= 1.05 * alone
+    (long_group,) = [g for g in plan.microbatches[0] if 0 in g.seq_ids]
+    assert long_group.seq_ids == (0,) and len(long_group.ranks) < 4096
+
+
+@pytest.mark.parametrize("budget", [0, None])
+def test_a_few_long_sequences_on_a_large_pool_are_no_slower_than_megatrons_plan(budget, cost: CostModel) -> None:
+    """Six sequences of 28K-685K tokens on 4,096 ranks in one microbatch, without Megatron's plan as a candidate
+    (``mcore_budget=0``): the longest took the whole pool and the others joined its group, 1.77x Megatron's
+    plan under the planner's own model."""
+    lengths = np.array([684910, 159453, 154257, 74408, 74002, 27787])
+    kw = {"world": 4096, "capacity": 16384, "microbatches": 1, "max_seq_len": 1 << 20}
+    hydra = _run(lengths, "hydra", cost, mcore_budget=budget, **kw)
+    mcore = _run(lengths, "mcore", cost, **kw)
+    assert hydra.loads(cost).max(axis=1).sum() <= mcore.loads(cost).max(axis=1).sum() * (1 + 1e-9)
+
+
+def test_the_water_level_never_raises_a_formations_microbatches(monkeypatch, cost: CostModel) -> None:
+    """The last microbatch is formed at the water level as well as at its own, and the lower maximum kept: on small
+    batches on large pools (where it acts) no formation's summed microbatch maxima may rise, and some must fall."""
+    import lightning_hydra.planner.formation as formation
+
+    rng = np.random.default_rng(5)
+    fell = 0
+    for world, context, microbatches in [(1024, 1 << 20, 1), (2048, 262144, 2), (4096, 1 << 20, 2), (512, 32768, 1)]:
+        lengths = np.minimum(context, rng.lognormal(np.log(context / 8), 1.2, 40).astype(np.int64) + 16)
+        req = _request(lengths, cost, world, 16384 if context > 32768 else 4096, microbatches)
+        for name in ("pow2", "fine"):
+            ds = DegreeSet.build(req.rules, name)
+            spans = []
+            for water in (False, True):
+                with monkeypatch.context() as patch:
+                    if not water:
+                        patch.setattr(formation, "_water_level", lambda *args: None)
+                    f = form(req, ds, raise_degrees=True)
+                loads = f.loads(cost, lengths)
+                spans.append(sum(float(loads[f.group_mb == m].max(initial=0.0)) for m in range(f.num_microbatches)))
+            assert spans[1] <= spans[0] * (1 + 1e-12), (world, context, name, spans)
+            fell += spans[1] < spans[0] * (1 - 1e-3)
+    assert fell
+
+
 @pytest.mark.parametrize(("context", "capacity"), [(262144, 16384), (32768, 4096)])
 @pytest.mark.parametrize("distribution", ["lognormal", "stdlib"])
 def test_hydra_never_predicted_worse_than_mcore_or_static(context: int, capacity: int, distribution: str, cost) -> None:
