@@ -183,3 +183,34 @@ def test_validation_against_recorded_runs_reads_the_records(tmp_path):
     out = validate(result, tmp_path)["hydra"]
     assert out["busy_error_mean"] == pytest.approx(1 - 1 / 1.1)
     assert out["measured_step_s"] == pytest.approx(1.1 * np.median([max(s["busy_per_rank_s"]) for s in steps]))
+
+
+def test_the_starting_model_gives_a_tensor_parallel_rank_the_links_of_its_devices():
+    """A CP rank of a ``tp``-way tensor-parallel job is ``tp`` devices, each moving ``1 / tp`` of every all-to-all
+    and ring transfer over a link of its own (as the truth times it): the planner's starting model must charge it
+    a ``tp``-th of a one-device rank's communication, as it charges a ``tp``-th of its compute. It charged the
+    whole: at 2,048 GPUs with TP 8 every ring cost 8x what the truth charged, calibration (which fits the
+    all-to-all's bandwidth, not the ring's) laid the excess on a ring exposure near 0, and hydra's choice under the
+    ensemble's ring member fell from 1.23x Megatron's throughput to 1.12x (``lightning_hydra.sim.ablation``)."""
+    one, eight = (
+        Scenario(name="t", model=MODEL, hardware=PLAIN, job=Job(gpus=16, tp=tp, max_tokens_per_rank=1000))
+        for tp in (1, 8)
+    )
+    a, b = one.starting_cost(), eight.starting_cost()
+    length = np.asarray(30000.0)
+    assert float(b.compute(length, 4)) == pytest.approx(float(a.compute(length, 4)) / 8)
+    for crosses in (False, True):
+        assert float(b.ring_steps(length, 1, 4, crosses)[0]) == pytest.approx(
+            float(a.ring_steps(length, 1, 4, crosses)[0]) / 8
+        )
+    assert float(b.a2a(length, 2, 2)) == pytest.approx(float(a.a2a(length, 2, 2)) / 8)
+    # as the truth times it: with every ring transfer exposed (one link speed inside and across nodes), a rank of 8
+    # devices spends an eighth of the time
+    exposed = PLAIN.replace(ring_share=1.0, p2p_latency=0.0, ring_step_overhead=0.0, inter_node_bandwidth=1e9)
+    lengths = np.array([30000])
+    comm = [
+        bin_time(lengths, 1, 4, model=MODEL, hardware=exposed, layers=2, tp=tp)
+        - bin_time(lengths, 1, 4, model=MODEL, hardware=exposed, layers=2, tp=tp, include_comm=False)
+        for tp in (1, 8)
+    ]
+    assert comm[0] > 0 and comm[1] == pytest.approx(comm[0] / 8)

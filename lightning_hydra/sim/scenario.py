@@ -97,13 +97,17 @@ class Scenario:
     for packed input, Megatron Dynamic-CP's engine: ring only, so plans are made with ``max_ulysses=1``)."""
 
     def starting_cost(self) -> CostModel:
-        """The planner's analytic cost model before any calibration."""
-        hw = self.hardware
+        """The planner's analytic cost model before any calibration.
+
+        A CP rank of a tensor-parallel job is ``tp`` devices: it computes at ``tp`` devices' rate, and each of its
+        devices moves ``1 / tp`` of every all-to-all and ring transfer over a link of its own, so its links carry
+        ``tp`` devices' bandwidth (as the truth times them, :mod:`lightning_hydra.sim.truth`)."""
+        hw, tp = self.hardware, self.job.tp
         args: dict[str, Any] = {
-            "flops_per_second": hw.peak_flops * self.analytic_efficiency * self.job.tp,
+            "flops_per_second": hw.peak_flops * self.analytic_efficiency * tp,
             "bytes_per_element": self.model.bytes_per_element,
-            "intra_node_bandwidth": hw.intra_node_bandwidth,
-            "inter_node_bandwidth": hw.inter_node_bandwidth,
+            "intra_node_bandwidth": hw.intra_node_bandwidth * tp,
+            "inter_node_bandwidth": hw.inter_node_bandwidth * tp,
             "ranks_per_node": self.node_size(),
         }
         args.update(self.planner)
