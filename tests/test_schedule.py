@@ -940,3 +940,22 @@ def test_lifted_formations_raise_fewer_degrees_and_stay_within_their_budget(monk
     assert not {f.name for f in hydra.candidates(req)} & set(lifted)
     monkeypatch.setattr(hydra, "LIFT_BUDGET", batch.size * math.sqrt(64))
     assert set(lifted) <= {f.name for f in hydra.candidates(req)}
+
+
+def test_the_planner_benchmark_reports_each_plans_digest() -> None:
+    """``bench.schedule`` reports every policy's plan digest, so that two commits' outputs tell whether a change
+    altered any plan (and figures measured on those plans need a new run)."""
+    from lightning_hydra.bench.schedule import CONTEXTS, run_scenario
+
+    longest, capacity = CONTEXTS["32K"]
+    record = run_scenario(
+        world_size=64, context="32K", fill=0.5, distribution="stdlib", num_microbatches=4, repeat=1, seed=0,
+        policies=["static", "hydra"], mcore_repeat=1,
+    )  # fmt: skip
+    lengths = make_batch("stdlib", world_size=64, capacity=capacity, num_microbatches=4, fill=0.5, context=longest,
+                         seed=0)  # fmt: skip
+    for policy in ("static", "hydra"):
+        plan = _run(lengths, policy, llama8b_cost(), world=64, capacity=capacity, microbatches=4, max_seq_len=longest,
+                    num_kv_heads=8)  # fmt: skip
+        assert record["policies"][policy]["digest"] == plan.digest()
+    assert record["policies"]["static"]["digest"] != record["policies"]["hydra"]["digest"]

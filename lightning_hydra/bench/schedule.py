@@ -9,7 +9,9 @@ Per policy: efficiency ``(useful compute / N) / sum_m max_r load[m, r]`` (commun
 max/mean of per-rank load summed over microbatches, microbatches used, degree histogram, mean degree and its
 inflation over the memory minimum, and scheduling milliseconds (median of ``--repeat`` runs: wall clock, and the
 process's CPU time, which a machine shared with other work inflates less; the load average is reported beside;
-``schedule_cpu_ms_min``: the fastest run's CPU time, the figure a machine whose speed drifts affects least).
+``schedule_cpu_ms_min``: the fastest run's CPU time, the figure a machine whose speed drifts affects least), and the
+plan's :meth:`~lightning_hydra.planner.Plan.digest`: two commits' outputs tell whether a change altered any plan
+(the same digest on every batch: the same plans, so figures measured on them need no new run).
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def run_scenario(
             "schedule_cpu_ms": round(1e3 * statistics.median(cpu), 2),
             "schedule_cpu_ms_min": round(1e3 * min(cpu), 2),
             "load_average": round(os.getloadavg()[0], 2),
+            "digest": plan.digest(),
         }
         if "candidate" in plan.stats:
             record["policies"][policy]["candidate"] = plan.stats["candidate"]
