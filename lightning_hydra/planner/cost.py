@@ -95,13 +95,14 @@ class CostModel:
     perfectly, the rest is exposed)."""
     rings_measured: bool = False
     """Whether a calibration window has held ring traffic, so that ``ring_share`` (and ``ring_exposure`` where the
-    traffic exceeded its attention) were fitted to measured rings; ``False``: they are the analytic ones, and the
-    planner's robust choice charges rings over slower links too (:func:`~lightning_hydra.planner.robust.ensemble`).
-    Rings that attention hid entirely set it as well, though they say little of what an exposed ring costs."""
+    traffic exceeded its attention) were fitted to measured rings; ``False``: they are the analytic ones. Rings that
+    attention hid entirely set it as well, though they say little of what an exposed ring costs; the robust choice
+    reads :attr:`intra_rings_measured` and :attr:`inter_rings_measured` for whether a link's plain rings were timed
+    (:func:`~lightning_hydra.planner.robust.ensemble`)."""
     intra_rings_measured: bool = False
     """Whether the last refit's window held timed traffic of rings without a Ulysses level inside a node (nested
     rings move a fraction of the bytes, mostly hidden, and do not count); then the robust choice's
-    slower-communication member leaves that link alone (:func:`~lightning_hydra.planner.robust.ensemble`)."""
+    slower-communication and ring members leave that link alone (:func:`~lightning_hydra.planner.robust.ensemble`)."""
     inter_rings_measured: bool = False
     """Whether the last refit's window held timed traffic of rings without a Ulysses level across nodes (see
     :attr:`intra_rings_measured`)."""
