@@ -101,11 +101,15 @@ def test_a_link_without_bandwidth_is_rejected(cost: CostModel, field: str, value
     assert cost.replace(**{field: float("inf")}).bin_time([1000], 1, 1) == cost.bin_time([1000], 1, 1)
 
 
-def test_splitting_below_a_kernel_tile_buys_no_speed(cost: CostModel) -> None:
+def test_splitting_below_a_kernel_tile_buys_attention_no_speed(cost: CostModel) -> None:
     tile = cost.min_chunk_tokens
-    # 1024 tokens: compute keeps shrinking down to 128 tokens per rank (degree 8), then stops
+    # 1024 tokens: attention keeps shrinking down to 128 tokens per rank (degree 8), then stops; the token-wise work
+    # (GEMMs on the tokens a rank holds) keeps shrinking with the degree
     assert float(cost.compute(1024, 8)) < float(cost.compute(1024, 4))
-    assert float(cost.compute(1024, 16)) == pytest.approx(float(cost.compute(1024, 8)))
+    below = float(cost.compute(1024, 16)) - float(cost.compute(1024, 8))
+    assert below == pytest.approx(cost.linear * 1024 * (1 / 16 - 1 / 8))
+    attention = cost.replace(linear=0.0)
+    assert float(attention.compute(1024, 16)) == pytest.approx(float(attention.compute(1024, 8)))
     assert float(cost.effective_degree(100, 32)) == 1.0
     assert float(cost.effective_degree(64 * tile, 8)) == 8.0
 

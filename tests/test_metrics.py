@@ -279,8 +279,10 @@ def test_the_refit_model_knows_which_links_its_window_timed():
         False,
         False,
     )
-    for _ in range(cal.window):  # only Ulysses bins left in the window: the rings are no longer timed
-        cal.add(*measure(2, 1), includes_comm=True)
+    # only Ulysses bins left in the window: the rings are no longer timed (bins of two Ulysses degrees, so that the
+    # fit tells the all-to-all's bytes from the token-wise work, which one degree alone makes proportional)
+    for step in range(cal.window):
+        cal.add(*measure(2 * (1 + step % 2), 1), includes_comm=True)
     after = cal.refit(both)
     assert links(after) == (False, False) and after.rings_measured
     # the slower-communication member halves the all-to-all and the ring links not timed, and only those

@@ -5,7 +5,7 @@ so every rank holds the same data and this pure function refits the same coeffic
 digest check would catch any divergence). The features of a rank's bin ``Ls`` at degree ``d = u * r`` are linear
 in the fitted coefficients (:data:`FITTED`, one feature each, in this order)::
 
-    busy  = attn * sum(L**2 / d_eff) + linear * sum(L / d_eff) + seq_overhead * len(Ls)
+    busy  = attn * sum(L**2 / d_eff) + linear * sum(L) / d + seq_overhead * len(Ls)
             + length_overhead * sum(L) + bin_overhead + a2a_latency * [u > 1] + p2p_latency * (r - 1)
     comm  = a2a_bytes / intra_node_bandwidth + ring_share * traffic + ring_exposure * max(0, traffic - hideable)
 
@@ -84,9 +84,10 @@ FITTED = (
 inverse, seconds per all-to-all byte)."""
 NUM_FEATURES = len(FITTED)
 """Features per (rank, microbatch): one per fitted coefficient."""
-FEATURE_FORM = 2
-"""Version of how the features are computed (2: ring traffic at the link of each group's layout; 1: every ring at
-the inter-node link). A checkpointed window of another form is dropped on load."""
+FEATURE_FORM = 3
+"""Version of how the features are computed (3: the token-wise column ``sum(L) / d`` without the tile floor; 2: that
+column tile-bounded like attention's, ``sum(L / d_eff)``, ring traffic at the link of each group's layout; 1: every
+ring at the inter-node link). A checkpointed window of another form is dropped on load."""
 BUSY = np.arange(7)
 """Feature columns of the work a thread timer sees (compute, overheads, collective launches)."""
 COMM = np.arange(7, NUM_FEATURES)
@@ -131,7 +132,7 @@ def bin_features(
     d_eff = cost.effective_degree(lens, ulysses * ring)
     traffic, hideable = cost.ring_steps(lens, ulysses, ring, crosses)
     out[0] = float(np.sum(lens * lens / d_eff))
-    out[1] = float(np.sum(lens / d_eff))
+    out[1] = float(lens.sum()) / (ulysses * ring)
     out[2] = float(lens.size)
     out[3] = float(lens.sum())
     out[4] = 1.0
@@ -154,7 +155,7 @@ def plan_features(plan: Plan, cost: CostModel) -> np.ndarray:
     d_eff = cost.effective_degree(lens, us * rs)
     traffic, hideable = cost.ring_steps(lens, us, rs, cost.crossing(start, u * r)[gid])
     per = np.zeros((n_groups, NUM_FEATURES))
-    for col, values in enumerate((lens * lens / d_eff, lens / d_eff, np.ones_like(lens), lens)):
+    for col, values in enumerate((lens * lens / d_eff, lens / (us * rs), np.ones_like(lens), lens)):
         per[:, col] = np.bincount(gid, weights=values, minlength=n_groups)
     busy = per[:, 2] > 0
     per[:, 4] = busy
@@ -184,9 +185,9 @@ def ring_links(cost: CostModel, features: np.ndarray) -> np.ndarray:
     ``(r - 1) / r * ring_bytes_per_token * sum(L) / (u * bandwidth)`` at the link its group uses (the ring
     bandwidths are never refitted, so ``cost``'s are the ones the features were computed with). A link is the
     row's where that gives a whole Ulysses degree that divides the node, is above 1 exactly where the row's
-    all-to-all feature says so, and does not exceed the degree the row's compute features imply (``sum(L) / sum(L /
-    d_eff)``, at most ``u * r``). With the default links (400 and 50 GB/s) every row is told; links whose ratio is
-    a ratio of two Ulysses degrees above 1 can leave rows untold, which then count as neither link.
+    all-to-all feature says so, and does not exceed the degree the row's compute features imply (``sum(L)`` over the
+    token-wise column ``sum(L) / d``: ``u * r``). With the default links (400 and 50 GB/s) every row is told; links
+    whose ratio is a ratio of two Ulysses degrees above 1 can leave rows untold, which then count as neither link.
 
     Args:
         cost: The model the features were computed with (its ring bandwidths and bytes per token).
@@ -199,7 +200,7 @@ def ring_links(cost: CostModel, features: np.ndarray) -> np.ndarray:
         return out
     r = f[ring, 6] + 1.0
     u_times_bw = (r - 1.0) / r * cost.ring_bytes_per_token * f[ring, 3] / f[ring, 8]
-    degree = f[ring, 3] / f[ring, 1]  # the group's degree where no tile floor binds, below it where one does
+    degree = f[ring, 3] / f[ring, 1]  # the group's degree, u * r
     node = int(cost.ranks_per_node)
     fits = []
     for link, bandwidth in ((INTRA, cost.intra_node_ring_bandwidth), (INTER, cost.inter_node_bandwidth)):

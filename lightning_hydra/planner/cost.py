@@ -5,7 +5,7 @@ fields so that calibration (a later refit from measured times) can hand new valu
 
 Per sequence of length ``L`` on a group of degree ``d = u * r`` (docs/design.md section 3)::
 
-    compute(L, d) = (attn * L**2 + linear * L) / d_eff + seq_overhead + length_overhead * L
+    compute(L, d) = attn * L**2 / d_eff + linear * L / d + seq_overhead + length_overhead * L
                     d_eff = min(d, max(1, L / min_chunk_tokens))
     a2a(L, d, u)  = [u > 1] a2a_bytes_per_token * (L / d) * (u - 1) / u / intra_node_bandwidth
     traffic       = (r - 1) * ring_bytes_per_token * (L / r) / u / ring_bandwidth(d)      (all KV hops, fwd + bwd)
@@ -85,7 +85,8 @@ class CostModel:
     a2a_latency: float = 0.0
     """Fixed seconds per microbatch for the Ulysses all-to-alls of all layers (latency, not bandwidth)."""
     min_chunk_tokens: float = 128.0
-    """Per-rank chunk below which splitting a sequence further buys no speed (a kernel tile)."""
+    """Per-rank chunk below which splitting a sequence further buys its attention no speed (a kernel tile); the
+    token-wise work (GEMMs, ``linear``) runs on the tokens each rank holds, ``L / d``, however short."""
     p2p_latency: float = 0.0
     """Fixed seconds per ring step for the P2P transfers of all layers."""
     ring_share: float = 0.0
@@ -151,7 +152,7 @@ class CostModel:
             seq_overhead: Seconds per sequence per rank that do not shrink with the degree.
             a2a_latency: Fixed seconds of the Ulysses all-to-alls per microbatch (all layers).
             p2p_latency: Fixed seconds per ring step (all layers).
-            min_chunk_tokens: Per-rank chunk below which splitting buys no speed (a kernel tile).
+            min_chunk_tokens: Per-rank chunk below which splitting buys attention no speed (a kernel tile).
             ranks_per_node: Ranks per node (a ring inside one node uses the intra-node link); ``0``: unknown, every
                 ring crosses nodes.
 
@@ -258,7 +259,7 @@ class CostModel:
         return self.attn * length * length + self.linear * length
 
     def effective_degree(self, length: ArrayLike, degree: ArrayLike) -> ArrayLike:
-        """The degree compute scales with: ``degree``, but no finer than ``min_chunk_tokens`` per rank."""
+        """The degree attention scales with: ``degree``, but no finer than ``min_chunk_tokens`` per rank."""
         length = np.asarray(length, dtype=np.float64)
         return np.minimum(np.asarray(degree, dtype=np.float64), np.maximum(1.0, length / self.min_chunk_tokens))
 
@@ -266,7 +267,8 @@ class CostModel:
         """Per-rank compute of a sequence split over ``degree`` ranks, per-sequence overheads included."""
         length = np.asarray(length, dtype=np.float64)
         return (
-            self.useful(length) / self.effective_degree(length, degree)
+            self.attn * length * length / self.effective_degree(length, degree)
+            + self.linear * length / np.asarray(degree, dtype=np.float64)
             + self.seq_overhead
             + self.length_overhead * length
         )
@@ -381,11 +383,11 @@ class CostModel:
         a2a = np.where(u > 1, self.a2a_bytes_per_token * (u - 1) / u / self.intra_node_bandwidth, 0.0)
         steps = np.maximum(r - 1, 0.0)
         traffic = lens * (steps * self.ring_bytes_per_token / (r * u) / self.ring_bandwidth(d))
-        # base = lens * ((linear + attn * lens) / d_eff + a2a / d + length_overhead) + seq_overhead
+        # base = lens * (attn * lens / d_eff + (linear + a2a) / d + length_overhead) + seq_overhead
         #        + ring_share * traffic, evaluated in that order in one [K, n] buffer (tables are large)
         base = np.minimum(d, np.maximum(1.0, lens / self.min_chunk_tokens))  # d_eff
-        np.divide(self.linear + self.attn * lens, base, out=base)
-        base += a2a / d
+        np.divide(self.attn * lens, base, out=base)
+        base += (self.linear + a2a) / d
         base += self.length_overhead
         base *= lens
         base += self.seq_overhead

@@ -194,7 +194,7 @@ def spans_of(
     def total(x: np.ndarray) -> np.ndarray:
         return np.bincount(gid, weights=x, minlength=n)
 
-    quad, lin, tokens = total(lens * lens / d_eff), total(lens / d_eff), total(lens)
+    quad, lin, tokens = total(lens * lens / d_eff), total(lens / d), total(lens)
     count = np.bincount(gid, minlength=n).astype(np.float64)
     a2a = total(np.where(u > 1, (lens / d) * (u - 1) / u, 0.0))  # all-to-all bytes per byte-per-token
     ring_tokens = total(steps * (lens / r) / u)  # ring bytes per byte-per-token
