@@ -162,7 +162,9 @@ def test_communication_is_calibrated_from_its_own_measurement():
     rng = np.random.default_rng(0)
     feats, busy, comm = [], [], []
     for _ in range(80):
-        lengths = rng.integers(256, 8192, size=rng.integers(1, 4))
+        # 1-5 sequences per bin: with the token-wise work at L / d, bins of 1-3 left the per-sequence cost close
+        # enough to the fixed and per-token directions that the ridge pulled it 6% towards its start
+        lengths = rng.integers(256, 8192, size=rng.integers(1, 6))
         u, r = [(1, 1), (2, 1), (4, 1), (2, 2), (1, 4)][rng.integers(0, 5)]
         f = bin_features(start, lengths, u, r)
         feats.append(f)
@@ -173,9 +175,7 @@ def test_communication_is_calibrated_from_its_own_measurement():
     fitted = calibrator.refit(start)
     assert fitted.intra_node_bandwidth == pytest.approx(0.25e9, rel=0.02)
     assert fitted.ring_share == pytest.approx(0.3, abs=0.02)
-    # the busy part: the ridge pulls the per-sequence cost 6% towards its start (it shares a direction with the fixed
-    # and per-token costs in this window); the communication above is fitted from its own measurement
-    assert fitted.seq_overhead == pytest.approx(1e-4, rel=0.1)
+    assert fitted.seq_overhead == pytest.approx(1e-4, rel=0.05)
     # the calibrator's state (in every checkpoint) holds plain Python values: torch.load(weights_only=True) reads it
     saved = io.BytesIO()
     torch.save({"calibrator": calibrator.state_dict(), "cost_model": fitted.to_dict()}, saved)
