@@ -243,7 +243,7 @@ def test_the_closed_loop_does_not_stake_a_step_on_a_plan_a_member_says_loses(mon
     over links the loop never timed them on as slow as the all-to-all it did time (their regret), and
     :data:`BASELINE_SLACK` (the member predicts it far slower than the memory-driven formation even with the links as
     assumed). With both, or either alone, the plan is as fast as Megatron's; without both (patched out: no slack, and
-    a member that only floors the exposure) it is 40% slower, so this test can fail."""
+    a member that only floors the exposure) it is 45% slower (0.547x), so this test can fail."""
     import lightning_hydra.planner.hydra as hydra_module
     import lightning_hydra.planner.robust as robust_module
     from lightning_hydra.bench.robust import _batches

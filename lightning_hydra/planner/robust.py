@@ -148,8 +148,10 @@ def _ring_member(cost: CostModel) -> CostModel:
     three cells rose (those two and ``share25`` 0.9996 -> 1.000), 16 fell by 0.03-0.6% (fifteen 512 x 32K
     standard-library cells from 1.0003-1.0025 to Megatron's plan, and 64 x 256K lognormal ``worst`` 1.060 -> 1.054);
     after 24 loop steps that half-fill row's worst rose from 0.815 to 0.998. The Llama-3-70B shape's 512 x 32K
-    standard-library row fell 0.7-0.9% in all ten cells (worst 0.9967 -> 0.9893): its loop no longer ran the slow
-    step, fitted another model, and took the memory-driven formation where Megatron's plan was best."""
+    standard-library row fell 0.7-0.9% in all ten cells (worst 0.9967 -> 0.9893): its loop fitted another model and
+    took the memory-driven formation where Megatron's plan was best; the model's error there was the token-wise work
+    charged at the tile-bounded degree, and with it at ``L / d`` the row is at 1.000 (README, "The token-wise work at
+    ``L / d``")."""
     member = cost.replace(ring_exposure=max(cost.ring_exposure, 1.0))
     slow = min(1.0, cost.intra_node_bandwidth / cost.intra_node_ring_bandwidth)
     return member.replace(
