@@ -809,6 +809,78 @@ def test_megatrons_placement_stops_once_it_cannot_change_the_choice(monkeypatch,
     assert Hopeless(req, models, np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)(groups, np.zeros(0, np.int64))
 
 
+def test_megatrons_placement_stops_where_its_bound_leaves_the_choice_ahead_of_every_rival(monkeypatch) -> None:
+    """A 256K Pareto batch at 256 ranks (Llama-3-8B shape): after Megatron's first microbatch the bound still lies below
+    the best span under two members of the ensemble (Megatron's plan could be the best under them), so the bound alone
+    does not stop the placement; but with those best spans lowered to the bound, hydra's choice still has a smaller
+    regret than every rival and than Megatron's plan, and ``Hopeless.outranked`` stops it there. The plan is the one
+    hydra makes with the whole placement scored, and without ``outranked`` the placement runs on."""
+    import lightning_hydra.planner.mcore_bound as bound_module
+
+    cost = llama8b_cost()  # the benchmarks' model: 8 ranks per node
+    kw = {"world": 256, "capacity": 16384, "microbatches": 8, "max_seq_len": 262144, "num_kv_heads": 8}
+    lengths = make_batch(
+        "pareto", world_size=256, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=2
+    )
+    calls: list[bool] = []
+    original = bound_module.Hopeless.__call__
+
+    def counted(self, groups, waiting):
+        calls.append(original(self, groups, waiting))
+        return calls[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(bound_module.Hopeless, "__call__", counted)
+        stopped = _run(lengths, "hydra", cost, **kw)
+        assert calls == [True]  # after the first microbatch
+        calls.clear()
+        m.setattr(bound_module.Hopeless, "outranked", lambda self, bound: False)
+        later = _run(lengths, "hydra", cost, **kw)
+        assert len(calls) > 1 and calls[-1] and not any(calls[:-1])
+        m.setattr(bound_module.Hopeless, "__call__", lambda self, groups, waiting: False)
+        whole = _run(lengths, "hydra", cost, **kw)
+    assert "span/mcore" in whole.stats and "span/mcore" not in stopped.stats
+    assert stopped.microbatches == later.microbatches == whole.microbatches
+    assert stopped.stats["candidate"] == whole.stats["candidate"] != "mcore"
+
+
+@pytest.mark.parametrize("slack", [0.10, 0.02], ids=["baseline-slack", "tight-slack"])
+def test_outranked_never_stops_where_megatrons_plan_above_the_bound_would_change_the_choice(
+    slack: float, cost: CostModel
+) -> None:
+    """``Hopeless.outranked`` against ``choose`` itself on 3,000 drawn ensembles (five candidates, two of them
+    baselines, six models, regret weights 0.5 or 1; the baseline slack, and one tight enough to bind) and bounds:
+    wherever the bound clears the planner's model's limit and ``outranked`` says the choice stands, hydra's choice with
+    Megatron's plan added at any spans at or above the bound (its lower corner, and drawn points above it) is the same
+    candidate, and the margin does not keep Megatron's plan. Some draws do stop (the check is not vacuous) and some do
+    not."""
+    from lightning_hydra.planner.hydra import MCORE_MARGIN
+    from lightning_hydra.planner.mcore_bound import Hopeless
+    from lightning_hydra.planner.robust import TIE, choose
+
+    rng = np.random.default_rng(0)
+    req = _request(np.full(64, 1000), cost, 16, 4096, 4)
+    stops = kept = 0
+    for _ in range(3000):
+        spans = 1.0 + 0.06 * rng.random((5, 6))
+        names = ["static", "memory", "a", "b", "c"]
+        scored = [Scored(n, spans[i], i < 2) for i, n in enumerate(names)]
+        weights = rng.choice([0.5, 1.0], size=6)
+        weights[0] = 1.0
+        pick, regret = choose(scored, weights, slack)
+        h = Hopeless(req, [cost] * 6, weights, scored, pick, regret[names[pick]], slack, MCORE_MARGIN)
+        bound = spans.min(axis=0) * (0.95 + 0.12 * rng.random(6))
+        if not (bound[0] > h.limit[0] and h.outranked(bound)):
+            kept += 1
+            continue
+        stops += 1
+        for m in [bound, *(bound * (1.0 + 0.05 * rng.random((4, 6))))]:
+            again, _ = choose([*scored, Scored("mcore", m, True)], weights, slack)
+            assert again == pick
+            assert not (spans[pick, 0] > m[0] * (1 - MCORE_MARGIN) and m[0] <= spans[0, 0] * (1 + TIE))
+    assert stops > 100 and kept > 100
+
+
 @pytest.mark.parametrize(
     ("world", "capacity", "count", "length", "microbatches"), [(8, 16384, 2300, 50, 1), (16, 8192, 5000, 30, 2)]
 )

@@ -10,7 +10,11 @@ waiting, perfectly balanced over the pool at their memory-driven degrees and cha
 term of a rank's load is non-negative, and a sequence's compute summed over its ranks does not fall as its degree
 rises). Once the bound shows that Megatron's plan, whole, could not be chosen, move any model's best span, put the
 choice outside the baseline slack, or be kept by :data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`, hydra stops
-forming it: its choice is the one it would have made with the whole plan scored.
+forming it: its choice is the one it would have made with the whole plan scored. Where the bound still lies below
+another model's best span (Megatron's plan may be the best under a model that charges communication more), it also
+stops once the choice's regret, with every such best span lowered to the bound, stays below every other candidate's
+regret and Megatron's plan's own (the others' regrets only rise as a best span falls): the choice stands whatever
+Megatron's plan turns out to be above the bound.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.mcore_fast import _min_degrees
 from lightning_hydra.planner.plan import Group, group_arrays
 from lightning_hydra.planner.request import PlanRequest
-from lightning_hydra.planner.robust import Scored, spans_of
+from lightning_hydra.planner.robust import Scored, spans_of, standing, worst_ratio
 
 __all__ = ["Hopeless"]
 
@@ -68,6 +72,15 @@ class Hopeless:
         limit[0] = max(limit[0], regret * spans[:, 0].min(), chosen[0] / (1.0 - margin))
         self.limit = limit * (1.0 + _STRICT)
         """Each model's span the placement's bound must exceed."""
+        # for :meth:`outranked`: the candidates' spans and standing as the choice was made
+        regrets, feasible = standing(scored, weights, slack)
+        feasible[pick] = False
+        self._spans, self._pick, self._weights = spans, pick, np.asarray(weights, dtype=np.float64)
+        self._rival = float(regrets[feasible].min()) if feasible.any() else np.inf
+        """The least regret of the other candidates that may be chosen (adding Megatron's plan only raises it)."""
+        base = np.array([s.baseline for s in scored])
+        self._slack = None if slack is None or scored[pick].baseline or not base.any() else float(slack)
+        self._reference = spans[base].min(axis=0) if base.any() else np.full(spans.shape[1], np.inf)
         self._req = req
         self._models = models
         self._lengths = np.asarray(req.lengths, dtype=np.int64)
@@ -94,5 +107,33 @@ class Hopeless:
         return self._formed + (self._req.pipeline_stages - 1) * self._top + rest
 
     def __call__(self, groups: list[Group], waiting: np.ndarray) -> bool:
-        """Whether, with the microbatch of ``groups`` formed, the bound clears every model's limit."""
-        return bool((self.bound(groups, waiting) > self.limit).all()) and self._sound
+        """Whether, with the microbatch of ``groups`` formed, the bound clears every model's limit, or clears the
+        planner's model's and leaves the choice :meth:`outranked`-proof."""
+        if not self._sound:
+            return False
+        bound = self.bound(groups, waiting)
+        return bool(bound[0] > self.limit[0]) and (bool((bound > self.limit).all()) or self.outranked(bound))
+
+    def outranked(self, bound: np.ndarray) -> bool:
+        """Whether the choice stays chosen for any Megatron's plan whose span under each model is at least
+        ``bound`` (the planner's model's limit cleared, so that neither its best span nor the margin moves).
+
+        Under a model whose best span the plan may undercut, the best falls at most to the bound: the choice's
+        regret rises at most to its ratio to that, every other candidate's only rises (its ratio to a lower best),
+        and the plan's own is at least its bound over the best span. The choice stays where its largest regret so
+        is below every other candidate's that may be chosen and below the plan's, and, where it is no baseline,
+        within the baseline slack against the baselines' spans lowered to the bound.
+
+        Args:
+            bound: Each model's lower bound on the placement's span (:meth:`bound`).
+        """
+        spans, w = self._spans, self._weights
+        best = spans.min(axis=0)
+        chosen = spans[self._pick]
+        regret = float(worst_ratio(chosen, np.minimum(best, bound), w)) * (1.0 + _STRICT)
+        own = float(worst_ratio(np.maximum(bound, best), best, w))  # Megatron's plan's regret, at least
+        if not regret < min(self._rival, own):
+            return False
+        if self._slack is None:
+            return True
+        return float(worst_ratio(chosen, np.minimum(self._reference, bound), w)) * (1.0 + _STRICT) <= 1.0 + self._slack

@@ -32,6 +32,8 @@ __all__ = [
     "member_weights",
     "span_of",
     "spans_of",
+    "standing",
+    "worst_ratio",
 ]
 
 MEASURED_COMM_WEIGHT = 0.5
@@ -276,19 +278,8 @@ def choose(
             that model's fastest baseline, the excess weighted as in the regret (the planner passes
             :data:`BASELINE_SLACK`; ``None``: no bound).
     """
+    regret, feasible = standing(scored, weights, slack)
     spans = np.stack([s.spans for s in scored])
-    w = np.ones(spans.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
-
-    def worst_ratio(reference: np.ndarray) -> np.ndarray:
-        # each candidate's largest weighted span ratio to ``reference`` (one span per model)
-        return (1.0 + (spans / np.where(reference > 0, reference, 1.0) - 1.0) * w).max(axis=1)
-
-    regret = worst_ratio(spans.min(axis=0))
-    base = np.array([s.baseline for s in scored])
-    bound = spans[base, 0].min() if base.any() else np.inf
-    feasible = spans[:, 0] <= bound * (1 + TIE)
-    if slack is not None and base.any():
-        feasible &= base | (worst_ratio(spans[base].min(axis=0)) <= 1.0 + slack)
     key = np.where(feasible, regret, np.inf)
     # ties within rounding (the spans of equal plans may differ in the last bits): the smaller predicted span, then
     # the earlier candidate
@@ -296,3 +287,41 @@ def choose(
     own = np.where(tied, spans[:, 0], np.inf)
     pick = int(np.flatnonzero(own <= own.min() * (1 + TIE))[0])
     return pick, {s.name: float(r) for s, r in zip(scored, regret, strict=True)}
+
+
+def standing(
+    scored: list[Scored], weights: np.ndarray | None = None, slack: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """What :func:`choose` chooses by: every candidate's worst-case regret and whether it may be chosen (the
+    planner's model predicts it no worse than every baseline and, with ``slack``, no model predicts it more than
+    ``slack`` slower than that model's fastest baseline; a baseline always may).
+
+    Args:
+        scored: Every candidate with its spans.
+        weights: Weight of each model's regret (:func:`member_weights`; ``None``: all 1).
+        slack: The baseline slack (``None``: no bound).
+
+    Returns:
+        ``(regret, feasible)``, one entry per candidate.
+    """
+    spans = np.stack([s.spans for s in scored])
+    w = np.ones(spans.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
+    regret = worst_ratio(spans, spans.min(axis=0), w)
+    base = np.array([s.baseline for s in scored])
+    bound = spans[base, 0].min() if base.any() else np.inf
+    feasible = spans[:, 0] <= bound * (1 + TIE)
+    if slack is not None and base.any():
+        feasible &= base | (worst_ratio(spans, spans[base].min(axis=0), w) <= 1.0 + slack)
+    return regret, feasible
+
+
+def worst_ratio(spans: np.ndarray, reference: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Each row's largest weighted ratio to ``reference``: ``max_k 1 + w_k * (spans[:, k] / reference[k] - 1)``
+    (the regret against the best spans; a reference of 0 counts as 1).
+
+    Args:
+        spans: Spans ``[candidates, models]`` (or one candidate's ``[models]``).
+        reference: One span per model.
+        weights: Weight of each model (:func:`member_weights`).
+    """
+    return (1.0 + (spans / np.where(reference > 0, reference, 1.0) - 1.0) * weights).max(axis=-1)
