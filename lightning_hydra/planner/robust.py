@@ -25,6 +25,7 @@ from lightning_hydra.planner.cost import CostModel
 __all__ = [
     "BASELINE_SLACK",
     "MEASURED_COMM_WEIGHT",
+    "MEASURED_SHARE_WEIGHT",
     "TIE",
     "Scored",
     "choose",
@@ -50,6 +51,26 @@ on it (:func:`_comm_member`). See the README's robustness section."""
 
 _COMM_MEMBER = 1
 """Index in :func:`ensemble` of the member whose links run at half their bandwidth."""
+
+MEASURED_SHARE_WEIGHT = 0.5
+"""Weight in the regret of the member that exposes a quarter more of all ring traffic whatever attention hides,
+once the calibration window has timed plain rings (without a Ulysses level) on every ring link the model has
+(:attr:`CostModel.intra_rings_measured` and :attr:`CostModel.inter_rings_measured`; only the inter-node one without
+a node size): the ring's share and exposure were then fitted on such rings, and the member hedges a measurement, as
+:data:`MEASURED_COMM_WEIGHT`'s member does once rings were timed. Found by drawn truths at 2,048 ranks x 256K
+lognormal (``bench.robust --truths --random-truths 40 --seed-offset 5000 --world-sizes 2048 --contexts 256K
+--distributions lognormal``): after loops that timed plain rings on both links, and whose models were within 0.3% of
+the truth, this member alone charged the fine candidate 6.7-7.3% more and hydra took its memory-driven formation in
+7 of 40 truths, timed up to 5.6% slower than the fine one (hydra 1.016x mcore at worst). At half weight that row's
+worst is 1.037 and its mean 1.0706 -> 1.0734 (4 cells up, 2 down by at most 0.9%: the loop's path). On the grid's
+256K commands, the 70B shape, half fill, 4 and 16 microbatches, the 8 device truths and 12 drawn truths at 64 and
+512 ranks, 47 of the 256K cells rose (by up to 2.6%) and 6 fell (by up to 1.3%: 2,048 x 256K stdlib under
+``worst``, 1.146 -> 1.134, where the loop's path changed the candidates themselves); every row's worst stayed or
+rose but that one, and no 32K cell moved (the README's robustness section). Half, not zero, for the reason
+:data:`MEASURED_COMM_WEIGHT` gives."""
+
+_SHARE_MEMBER = 2
+"""Index in :func:`ensemble` of the member that adds a quarter to the ring's always-exposed share."""
 
 BASELINE_SLACK = 0.10
 """Largest share by which any member of the ensemble may predict a chosen candidate slower than the fastest baseline
@@ -100,16 +121,21 @@ def ensemble(cost: CostModel) -> list[CostModel]:
 
 def member_weights(models: list[CostModel]) -> np.ndarray:
     """Weight of each member's regret in :func:`choose` (the planner's own model and every perturbed member 1, but
-    the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has measured ring traffic).
-    The member stops slowing a ring link once the window has timed plain rings on it (:func:`_comm_member`); where
-    it slows one, the fit extrapolates to it, and the weight is a half, not zero, so the member still steers there.
+    the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has measured ring traffic,
+    and the member with a larger ring share :data:`MEASURED_SHARE_WEIGHT` once it has timed plain rings on every ring
+    link). The first member stops slowing a ring link once the window has timed plain rings on it
+    (:func:`_comm_member`); where it slows one, the fit extrapolates to it, and the weight is a half, not zero, so the
+    member still steers there.
 
     Args:
         models: The :func:`ensemble` the candidates were scored under (the planner's own model first).
     """
     weights = np.ones(len(models))
-    if models[0].rings_measured:
+    own = models[0]
+    if own.rings_measured:
         weights[_COMM_MEMBER] = MEASURED_COMM_WEIGHT
+    if own.inter_rings_measured and (own.intra_rings_measured or not own.ranks_per_node):
+        weights[_SHARE_MEMBER] = MEASURED_SHARE_WEIGHT
     return weights
 
 
