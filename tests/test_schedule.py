@@ -803,10 +803,10 @@ def test_megatrons_placement_stops_once_it_cannot_change_the_choice(monkeypatch,
     assert all((b <= final * (1 + 1e-12)).all() for b in bounds)
     assert (bounds[-1] > 0.9 * final).all()  # not a vacuous bound
     scored = [Scored("a", np.ones(len(models)), True)]
-    never = Hopeless(req, ensemble(cost.replace(seq_overhead=-1e-9)), np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)
+    never = Hopeless(req, ensemble(cost.replace(seq_overhead=-1e-9)), np.ones(len(models)), scored, 0, 0.1, 0.005)
     groups = mcore.microbatches[0]
     assert not never(groups, np.arange(lengths.size))
-    assert Hopeless(req, models, np.ones(len(models)), scored, 0, 1.0, 0.1, 0.005)(groups, np.zeros(0, np.int64))
+    assert Hopeless(req, models, np.ones(len(models)), scored, 0, 0.1, 0.005)(groups, np.zeros(0, np.int64))
 
 
 def test_megatrons_placement_stops_where_its_bound_leaves_the_choice_ahead_of_every_rival(monkeypatch) -> None:
@@ -867,8 +867,8 @@ def test_outranked_never_stops_where_megatrons_plan_above_the_bound_would_change
         scored = [Scored(n, spans[i], i < 2) for i, n in enumerate(names)]
         weights = rng.choice([0.5, 1.0], size=6)
         weights[0] = 1.0
-        pick, regret = choose(scored, weights, slack)
-        h = Hopeless(req, [cost] * 6, weights, scored, pick, regret[names[pick]], slack, MCORE_MARGIN)
+        pick, _ = choose(scored, weights, slack)
+        h = Hopeless(req, [cost] * 6, weights, scored, pick, slack, MCORE_MARGIN)
         bound = spans.min(axis=0) * (0.95 + 0.12 * rng.random(6))
         if not (bound[0] > h.limit[0] and h.outranked(bound)):
             kept += 1

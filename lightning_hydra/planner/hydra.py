@@ -258,9 +258,7 @@ def _choice(req: PlanRequest) -> _Choice:
         pick, regret = choose(scored, weights, BASELINE_SLACK)
         if req.mcore_budget is None and _within_reach(scored, pick, memory) and _within(req, MCORE_BUDGET_MEMORY):
             # formed until it provably cannot change the choice (then ``None``: the choice stands)
-            hopeless = Hopeless(
-                req, models, weights, scored, pick, regret[scored[pick].name], BASELINE_SLACK, MCORE_MARGIN
-            )
+            hopeless = Hopeless(req, models, weights, scored, pick, BASELINE_SLACK, MCORE_MARGIN)
             mcore = schedule_mcore_fast(req, stop=hopeless)
     if mcore is not None:
         mb, start, u, r, seq, gid = mcore.flat()

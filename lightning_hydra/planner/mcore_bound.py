@@ -55,27 +55,26 @@ class Hopeless:
         weights: Each model's regret weight (:func:`~lightning_hydra.planner.robust.member_weights`).
         scored: The candidates without Megatron's plan, as scored.
         pick: Index in ``scored`` of the choice made without it.
-        regret: The choice's worst-case regret.
         slack: The baseline slack the choice was made with (``None``: none).
         margin: :data:`~lightning_hydra.planner.hydra.MCORE_MARGIN`.
     """
 
     def __init__(
         self, req: PlanRequest, models: list[CostModel], weights: np.ndarray, scored: list[Scored], pick: int,
-        regret: float, slack: float | None, margin: float,
+        slack: float | None, margin: float,
     ) -> None:  # fmt: skip
         spans = np.stack([s.spans for s in scored])
-        chosen = spans[pick]
-        limit = spans.min(axis=0)
+        regrets, feasible = standing(scored, weights, slack)  # what the choice was made by
+        self._best, self._chosen = spans.min(axis=0), spans[pick]
+        limit = self._best.copy()
         if slack is not None and not scored[pick].baseline:
-            limit = np.maximum(limit, chosen / (1.0 + slack / np.maximum(weights, _STRICT)))
-        limit[0] = max(limit[0], regret * spans[:, 0].min(), chosen[0] / (1.0 - margin))
+            limit = np.maximum(limit, self._chosen / (1.0 + slack / np.maximum(weights, _STRICT)))
+        limit[0] = max(limit[0], regrets[pick] * self._best[0], self._chosen[0] / (1.0 - margin))
         self.limit = limit * (1.0 + _STRICT)
         """Each model's span the placement's bound must exceed."""
-        # for :meth:`outranked`: the candidates' spans and standing as the choice was made
-        regrets, feasible = standing(scored, weights, slack)
+        # for :meth:`outranked`
         feasible[pick] = False
-        self._spans, self._pick, self._weights = spans, pick, np.asarray(weights, dtype=np.float64)
+        self._weights = np.asarray(weights, dtype=np.float64)
         self._rival = float(regrets[feasible].min()) if feasible.any() else np.inf
         """The least regret of the other candidates that may be chosen (adding Megatron's plan only raises it)."""
         base = np.array([s.baseline for s in scored])
@@ -127,9 +126,7 @@ class Hopeless:
         Args:
             bound: Each model's lower bound on the placement's span (:meth:`bound`).
         """
-        spans, w = self._spans, self._weights
-        best = spans.min(axis=0)
-        chosen = spans[self._pick]
+        best, chosen, w = self._best, self._chosen, self._weights
         regret = float(worst_ratio(chosen, np.minimum(best, bound), w)) * (1.0 + _STRICT)
         own = float(worst_ratio(np.maximum(bound, best), best, w))  # Megatron's plan's regret, at least
         if not regret < min(self._rival, own):
