@@ -366,6 +366,41 @@ def test_an_untimed_inter_node_link_is_slowed_at_most_by_half():
     assert efficiency(plan, hw)[0] > 1.04 * efficiency(power_of_two, hw)[0]
 
 
+def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
+    """64 ranks, 256K lognormal batches in 16 microbatches under the ``base`` truth. A loop whose plans hold rings only
+    under a Ulysses level leaves both ring links untimed, the ensemble's members charge plain rings more there, and
+    the robust choice keeps to the memory-driven formation. Once its model is a calibrated one, the loop plans one
+    step with the fine candidate its own model predicts faster (:func:`_explore`): that step times plain rings on
+    both links, the refit marks them timed, and no later step explores. On a held-out batch hydra then takes the
+    fine candidate without exploring, which the truth times more than 1.5% faster than the memory-driven
+    formation. An uncalibrated model and one whose links were timed never explore."""
+    from lightning_hydra.bench.robust import _batches, _request, analytic_cost
+    from lightning_hydra.planner.hydra import candidate_plans
+
+    hw = truth("base", LLAMA_8B.num_layers)
+    cost, calibrator, explored = analytic_cost(), CostCalibrator(), []
+    for lengths in _batches("lognormal", 64, "256K", range(2000, 2008), 0.75, 16):
+        plan, _ = _plan(lengths, "hydra", cost, 64, "256K", 16)
+        if "explored_over" in plan.stats:
+            assert cost.rings_measured and not (cost.intra_rings_measured and cost.inter_rings_measured)
+            explored.append((plan.stats["explored_over"], plan.stats["candidate"]))
+        _, times = efficiency(plan, hw)
+        calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
+        cost = calibrator.refit(cost)
+    assert explored == [("pow2/memory", "fine/load")]
+    assert cost.intra_rings_measured and cost.inter_rings_measured
+    batch = _batches("lognormal", 64, "256K", range(1000, 1001), 0.75, 16)[0]
+    plan, _ = _plan(batch, "hydra", cost, 64, "256K", 16)
+    assert plan.stats["candidate"] == "fine/load" and "explored_over" not in plan.stats
+    memory = candidate_plans(_request(batch, cost, 64, "256K", 16))["pow2/memory"]
+    assert efficiency(plan, hw)[0] > 1.015 * efficiency(memory, hw)[0]
+    # the step before the refit explored; the same model never explores uncalibrated, nor with both links timed
+    untimed = cost.replace(intra_rings_measured=False, inter_rings_measured=False)
+    for model, explores in ((untimed, True), (untimed.replace(rings_measured=False), False), (cost, False)):
+        plan, _ = _plan(batch, "hydra", model, 64, "256K", 16)
+        assert ("explored_over" in plan.stats) == explores
+
+
 def test_ring_links_read_every_candidates_layout_from_its_features():
     """On every candidate plan of 64- and 512-rank batches (the fine candidate's rings inside and across nodes,
     Megatron's and the power-of-two rings across), :func:`ring_links` of the plan's features gives each rank's ring
@@ -397,10 +432,13 @@ def test_a_calibrated_model_is_not_outvoted_by_a_full_weight_bandwidth_hedge(mon
     member with communication twice as slow would charge it more: at full weight hydra took a lifted power-of-two
     candidate instead; with the member at half weight it takes the fine one, which the truth times more than 3%
     faster. The loop timed plain rings on both ring links, so that member no longer halves them and the weight no
-    longer decides."""
+    longer decides. (Exploration off: with links untold, hydra would otherwise plan the fine candidate to time its
+    rings, whatever the weight, :func:`~lightning_hydra.planner.hydra._explore`.)"""
+    import lightning_hydra.planner.hydra as hydra_module
     import lightning_hydra.planner.robust as robust_module
     from lightning_hydra.bench.robust import _batches, _closed_loop
 
+    monkeypatch.setattr(hydra_module, "EXPLORE_GAIN", 1.0)  # no formation is predicted twice as fast
     hw = truth("base", LLAMA_8B.num_layers)
     timed = _closed_loop(_batches("stdlib", 64, "256K", range(2000, 2002), 0.75, 4), hw, 64, "256K", 4)
     assert timed.rings_measured and timed.intra_rings_measured and timed.inter_rings_measured

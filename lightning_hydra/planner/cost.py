@@ -233,15 +233,19 @@ class CostModel:
             crosses: Whether the group's ranks span nodes (:meth:`crossing` of a laid-out plan); ``None``: unless
                 its size divides the node (see the module docstring).
         """
+        if not self.ranks_per_node:
+            return np.full(np.shape(degree), self.inter_node_bandwidth)
+        across = self.spans_nodes(degree) if crosses is None else np.asarray(crosses, dtype=bool)
+        return np.where(across, self.inter_node_bandwidth, self.intra_node_ring_bandwidth)
+
+    def spans_nodes(self, degree: ArrayLike) -> np.ndarray:
+        """Whether a group of ``degree`` ranks spans nodes where no layout tells (:meth:`crossing` does): unless its
+        size divides the node, as the contiguous layout places it (every group without ``ranks_per_node``)."""
+        d = np.asarray(degree)  # degrees are at least 1
         node = self.ranks_per_node
         if not node:
-            return np.full(np.shape(degree), self.inter_node_bandwidth)
-        if crosses is None:
-            d = np.asarray(degree)  # degrees are at least 1
-            inside = (d <= node) & (node % d == 0)
-        else:
-            inside = ~np.asarray(crosses, dtype=bool)
-        return np.where(inside, self.intra_node_ring_bandwidth, self.inter_node_bandwidth)
+            return np.ones(d.shape, dtype=bool)
+        return ~((d <= node) & (node % d == 0))
 
     def crossing(self, start: np.ndarray, size: np.ndarray) -> np.ndarray:
         """Whether each group of ``size`` ranks from rank ``start`` spans two nodes (every group does without

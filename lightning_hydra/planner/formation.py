@@ -167,6 +167,18 @@ class Formation:
         out[lay] = req.cost.crossing(start, self.degrees.sizes[self.group_class[lay]])
         return out
 
+    def plain_rings(self, req: PlanRequest) -> tuple[bool, bool]:
+        """Whether the formation has rings without a Ulysses level (``u = 1``, ``r > 1``) inside a node and across
+        nodes, as laid out: the rings by which calibration learns a link's ring cost
+        (:attr:`CostModel.intra_rings_measured`, :attr:`CostModel.inter_rings_measured`)."""
+        k = self.group_class
+        plain = (self.degrees.ulysses[k] == 1) & (self.degrees.ring[k] > 1)
+        if not plain.any():
+            return False, False
+        crosses = self.crosses(req)
+        across = req.cost.spans_nodes(self.degrees.sizes[k]) if crosses is None else crosses
+        return bool((plain & ~across).any()), bool((plain & across).any())
+
     def plan(self, req: PlanRequest, **stats: float | str) -> Plan:
         """The :class:`Plan`, every group contiguous with its Ulysses blocks inside a node (:func:`layout`); idle
         ranks fill the rest."""

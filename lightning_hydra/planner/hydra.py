@@ -17,6 +17,10 @@ Per global batch, several candidate plans are formed and the most robust one is 
   Megatron's placement is a candidate it is kept unless the winner is predicted at least :data:`MCORE_MARGIN`
   faster (it may then be predicted up to that margin slower than the memory-driven formation, never slower than
   static or mcore).
+- **Exploration** (:func:`_explore`): where a calibrated model has not yet timed plain rings on a link, a formation
+  with such rings that the planner's own model predicts at least :data:`EXPLORE_GAIN` faster than the choice (its
+  worst-case regret within :data:`EXPLORE_RISK`) is planned instead for one step, so that calibration times what
+  the ensemble hedges.
 
 Each formation costs ``O(n log N)`` with the single-rank bulk placed in vectorised rounds; no step scans the pool
 per sequence.
@@ -34,11 +38,22 @@ from lightning_hydra.planner.mcore_bound import Hopeless
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
 from lightning_hydra.planner.request import PlanRequest
-from lightning_hydra.planner.robust import BASELINE_SLACK, TIE, Scored, choose, ensemble, member_weights, spans_of
+from lightning_hydra.planner.robust import (
+    BASELINE_SLACK,
+    TIE,
+    Scored,
+    choose,
+    ensemble,
+    member_weights,
+    spans_of,
+    standing,
+)
 from lightning_hydra.planner.static import StaticLayout, static_layout
 
 __all__ = [
     "CANDIDATES",
+    "EXPLORE_GAIN",
+    "EXPLORE_RISK",
     "FEWER_SHARE",
     "LIFTS",
     "LIFT_BUDGET",
@@ -153,6 +168,19 @@ microbatches) and worse in none; Megatron's over hydra's predicted step 0.995 ->
 analytic model (no fixed cost on a single rank) it is never formed."""
 
 
+EXPLORE_GAIN = 0.01
+"""Least share by which the planner's own (calibrated) model must predict a formation faster than the robust
+choice for hydra to plan it instead while the calibration window has timed no plain ring (one without a Ulysses
+level) on a link the formation's plain rings use (:func:`_explore`)."""
+
+EXPLORE_RISK = 0.10
+"""Largest worst-case regret excess (:func:`~lightning_hydra.planner.robust.standing`, the members weighted as the
+choice weighs them) of a formation hydra plans to time rings its hedges are about: what the step that times them
+may cost if the hedge was right. The same bound as :data:`~lightning_hydra.planner.robust.BASELINE_SLACK`; the
+step the slack was set by (a fine candidate predicted 12-17% slower by the ring member, timed at 0.41 efficiency
+against 0.73) is outside it."""
+
+
 def fewer_microbatches(req: PlanRequest, tables: _Tables) -> int | None:
     """The microbatches the denser memory-driven candidate is planned for, or ``None`` where it is not formed: the
     fewest that the batch's tokens (at the memory minimum, zigzag padding included) could fill, where that is fewer
@@ -206,10 +234,13 @@ def schedule_hydra(req: PlanRequest) -> Plan:
 
     The plan's ``stats`` name the chosen candidate and carry every candidate's predicted span and regret (each
     member's share weighted as :func:`~lightning_hydra.planner.robust.choose` weighs it:
-    :func:`~lightning_hydra.planner.robust.member_weights`).
+    :func:`~lightning_hydra.planner.robust.member_weights`); where the step times untimed rings (:func:`_explore`),
+    ``explored_over`` names the choice it was planned instead of.
     """
     c = _choice(req)
     stats: dict[str, float | str] = {"candidate": c.scored[c.pick].name}
+    if c.hedged != c.pick:
+        stats["explored_over"] = c.scored[c.hedged].name  # the choice the step was planned instead of
     for s in c.scored:
         stats[f"span/{s.name}"] = float(s.spans[0])
         stats[f"regret/{s.name}"] = c.regret[s.name]
@@ -231,6 +262,8 @@ class _Choice:
     scored: list[Scored]
     pick: int
     regret: dict[str, float]
+    hedged: int
+    """The robust choice (``pick`` unless :func:`_explore` took another formation)."""
 
 
 def _choice(req: PlanRequest) -> _Choice:
@@ -269,7 +302,59 @@ def _choice(req: PlanRequest) -> _Choice:
             own, static_own = scored[-1].spans[0], scored[len(formed)].spans[0]  # mcore's (scored last) and static's
             if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):
                 pick = len(scored) - 1
-    return _Choice(formed, static, mcore, scored, pick, regret)
+    return _Choice(formed, static, mcore, scored, _explore(req, formed, scored, weights, pick), regret, pick)
+
+
+def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], weights: np.ndarray, pick: int) -> int:
+    """The formation to plan instead of the robust choice ``pick`` so that the step times plain rings on a link the
+    calibration window has not timed them on, or ``pick``.
+
+    Until a window times plain rings on a link, the ensemble's members charge them what they may cost there (the
+    link halved, slowed as the all-to-all, a larger exposed share), and the choice avoids formations that use
+    them; the loop then never times them, and the hedge stays whether the truth agrees or not (the README's
+    robustness section: "A loop that times the rings its hedge is about"). Once the window has timed any ring
+    (``CostModel.rings_measured``: the model is a calibrated one), hydra plans the formation its own model
+    predicts fastest among those with plain rings on an untimed link, where that model predicts it at least
+    :data:`EXPLORE_GAIN` faster than the choice, it may be chosen (no slower than the baselines under the planner's
+    model, within the baseline slack under every member) and its worst regret is at most 1 + :data:`EXPLORE_RISK`.
+    The refit after that step marks the link timed: the members stop hedging it, and the choice follows what the
+    rings cost. Each such step times a link the window had not, so a window explores at most once per link (twice
+    where steps are planned one ahead, :class:`~lightning_hydra.HydraDataModule`'s ``plan_ahead``: the next step was
+    planned before the refit that marks it). The regrets and the baseline slack are read among the candidates as
+    scored: with Megatron's placement where it was formed, without it where
+    :class:`~lightning_hydra.planner.mcore_bound.Hopeless` stopped it (which keeps the choice, not necessarily a
+    regret: where it stopped on :meth:`~lightning_hydra.planner.mcore_bound.Hopeless.outranked`, Megatron's plan
+    could have been the best under a member, and a formation's regret there a little higher). Read without it where
+    it was formed, the fine candidate's regret on 64 x 32K standard-library batches fell under the bound and hydra
+    explored rings the ring member predicted 11% slower than Megatron's plan, timed 4.7% slower.
+
+    Args:
+        req: The request (its cost model tells which links were timed).
+        formed: The formations, as scored first in ``scored``.
+        scored: Every candidate as scored (formations, static, then Megatron's placement where formed).
+        weights: Each member's regret weight (:func:`~lightning_hydra.planner.robust.member_weights`).
+        pick: Index in ``scored`` of the robust choice.
+
+    Returns:
+        Index in ``scored`` of the candidate to plan.
+    """
+    cost = req.cost
+    intra = bool(cost.ranks_per_node) and not cost.intra_rings_measured
+    inter = not cost.inter_rings_measured
+    if not cost.rings_measured or not (intra or inter):
+        return pick
+    regret, feasible = standing(scored, weights, BASELINE_SLACK)
+    own = np.array([s.spans[0] for s in scored])
+    limit = own[pick] * (1 - EXPLORE_GAIN)
+    eligible = [
+        i
+        for i, f in enumerate(formed)
+        if feasible[i]
+        and regret[i] <= 1 + EXPLORE_RISK
+        and own[i] < limit
+        and any(used and untimed for used, untimed in zip(f.plain_rings(req), (intra, inter), strict=True))
+    ]
+    return min(eligible, key=lambda i: (own[i], i), default=pick)
 
 
 def _within_reach(scored: list[Scored], pick: int, memory: list[int]) -> bool:
