@@ -373,9 +373,10 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
     step with the fine candidate its own model predicts faster (:func:`_explore`): that step times plain rings on
     both links, the refit marks them timed, and no later step explores. On a held-out batch hydra then takes the
     fine candidate without exploring, which the truth times more than 1.5% faster than the memory-driven
-    formation. An uncalibrated model and one whose links were timed never explore."""
+    formation. An uncalibrated model, one whose links were timed and one whose two ring links run at the same rate
+    (the measurements cannot tell which a plain ring ran on, so no refit would mark it) never explore."""
     from lightning_hydra.bench.robust import _batches, _request, analytic_cost
-    from lightning_hydra.planner.hydra import candidate_plans
+    from lightning_hydra.planner.hydra import _choice, _explore, candidate_plans
 
     hw = truth("base", LLAMA_8B.num_layers)
     cost, calibrator, explored = analytic_cost(), CostCalibrator(), []
@@ -399,6 +400,12 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
     for model, explores in ((untimed, True), (untimed.replace(rings_measured=False), False), (cost, False)):
         plan, _ = _plan(batch, "hydra", model, 64, "256K", 16)
         assert ("explored_over" in plan.stats) == explores
+    # the same candidates, but a model whose ring links run at the same rate: the choice stands
+    choice = _choice(_request(batch, untimed, 64, "256K", 16))
+    assert choice.pick != choice.hedged
+    same_rate = _request(batch, untimed.replace(inter_node_bandwidth=untimed.intra_node_ring_bandwidth), 64, "256K", 16)
+    weights = member_weights(ensemble(untimed))
+    assert _explore(same_rate, choice.formed, choice.scored, weights, choice.hedged) == choice.hedged
 
 
 def test_ring_links_read_every_candidates_layout_from_its_features():

@@ -19,8 +19,8 @@ Per global batch, several candidate plans are formed and the most robust one is 
   static or mcore).
 - **Exploration** (:func:`_explore`): where a calibrated model has not yet timed plain rings on a link, a formation
   with such rings that the planner's own model predicts at least :data:`EXPLORE_GAIN` faster than the choice (its
-  worst-case regret within :data:`EXPLORE_RISK`) is planned instead for one step, so that calibration times what
-  the ensemble hedges.
+  worst-case regret within :data:`EXPLORE_RISK`) is planned instead for a step (once per link and calibration
+  window), so that calibration times what the ensemble hedges.
 
 Each formation costs ``O(n log N)`` with the single-rank bulk placed in vectorised rounds; no step scans the pool
 per sequence.
@@ -230,7 +230,8 @@ def candidates(req: PlanRequest) -> list[Formation]:
 
 def schedule_hydra(req: PlanRequest) -> Plan:
     """Load-driven plan: the most robust of the candidate formations, the static plan and, within the budget,
-    Megatron's placement (kept unless beaten by :data:`MCORE_MARGIN`).
+    Megatron's placement (kept unless beaten by :data:`MCORE_MARGIN`), or a formation that times rings the window
+    has not (:func:`_explore`).
 
     The plan's ``stats`` name the chosen candidate and carry every candidate's predicted span and regret (each
     member's share weighted as :func:`~lightning_hydra.planner.robust.choose` weighs it:
@@ -312,9 +313,10 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
     Until a window times plain rings on a link, the ensemble's members charge them what they may cost there (the
     link halved, slowed as the all-to-all, a larger exposed share), and the choice avoids formations that use
     them; the loop then never times them, and the hedge stays whether the truth agrees or not (the README's
-    robustness section: "A loop that times the rings its hedge is about"). Once the window has timed any ring
-    (``CostModel.rings_measured``: the model is a calibrated one), hydra plans the formation its own model
-    predicts fastest among those with plain rings on an untimed link, where that model predicts it at least
+    robustness section: "A loop that times the rings its hedge is about"). Once the model is a calibrated one that
+    has timed rings (``CostModel.rings_measured``, which stays set), hydra plans the formation its own model
+    predicts fastest among those with plain rings on an untimed link the choice's own rings do not time, where that
+    model predicts it at least
     :data:`EXPLORE_GAIN` faster than the choice, it may be chosen (no slower than the baselines under the planner's
     model, within the baseline slack under every member) and its worst regret is at most 1 + :data:`EXPLORE_RISK`.
     The refit after that step marks the link timed: the members stop hedging it, and the choice follows what the
@@ -326,7 +328,10 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
     regret: where it stopped on :meth:`~lightning_hydra.planner.mcore_bound.Hopeless.outranked`, Megatron's plan
     could have been the best under a member, and a formation's regret there a little higher). Read without it where
     it was formed, the fine candidate's regret on 64 x 32K standard-library batches fell under the bound and hydra
-    explored rings the ring member predicted 11% slower than Megatron's plan, timed 4.7% slower.
+    explored rings the ring member predicted 11% slower than Megatron's plan, timed 4.7% slower. Where the model's
+    intra-node ring link runs as fast as its inter-node one, a plain ring's link cannot be read from the step's
+    measurements (:func:`~lightning_hydra.planner.calibration.ring_links`), no refit would mark it, and hydra does not
+    explore.
 
     Args:
         req: The request (its cost model tells which links were timed).
@@ -343,6 +348,13 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
     inter = not cost.inter_rings_measured
     if not cost.rings_measured or not (intra or inter):
         return pick
+    if cost.ranks_per_node and np.isclose(cost.intra_node_ring_bandwidth, cost.inter_node_bandwidth, rtol=1e-6, atol=0):
+        return pick  # the links cannot be told apart in the measurements: exploring would not end
+    if pick < len(formed):  # links the choice's own plain rings time anyway
+        inside, across = formed[pick].plain_rings(req)
+        intra, inter = intra and not inside, inter and not across
+        if not (intra or inter):
+            return pick
     regret, feasible = standing(scored, weights, BASELINE_SLACK)
     own = np.array([s.spans[0] for s in scored])
     limit = own[pick] * (1 - EXPLORE_GAIN)

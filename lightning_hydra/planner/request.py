@@ -74,7 +74,7 @@ class PlanRequest:
             )
         return Group._of(tuple(range(start, start + size)), factors[0], factors[1], tuple(int(i) for i in seq_ids))
 
-    def plan(self, microbatches: list[list[Group]], policy: str, **stats: float) -> Plan:
+    def plan(self, microbatches: list[list[Group]], policy: str, **stats: float | str) -> Plan:
         """Wrap groups into a :class:`Plan` with groups sorted by first rank."""
         ordered = [sorted(groups, key=lambda g: g.ranks[0]) for groups in microbatches]
         return Plan(
