@@ -62,6 +62,7 @@ __all__ = [
     "REFINEMENTS",
     "CostCalibrator",
     "bin_features",
+    "plain_rings_readable",
     "plan_features",
     "predict",
     "relative_error",
@@ -177,6 +178,21 @@ INTRA, INTER = 1, 2
 """Codes of :func:`ring_links`: a ring inside one node, a ring across nodes (0: no ring traffic, -1: not told)."""
 
 
+_LINK_RTOL = 1e-6
+"""Relative tolerance within which a row's ring traffic reads as a whole Ulysses degree at a link
+(:func:`ring_links`)."""
+
+
+def plain_rings_readable(cost: CostModel) -> bool:
+    """Whether :func:`ring_links` can tell which link a plain ring (no Ulysses level) ran on under ``cost``: not where
+    the two ring links run at the same rate (within :data:`_LINK_RTOL`), where such a row reads as ``u = 1`` at both
+    and counts as neither, so that no window would mark either link timed (without a node size every ring crosses
+    nodes and is told)."""
+    return not cost.ranks_per_node or not np.isclose(
+        cost.intra_node_ring_bandwidth, cost.inter_node_bandwidth, rtol=_LINK_RTOL, atol=0.0
+    )
+
+
 def ring_links(cost: CostModel, features: np.ndarray) -> np.ndarray:
     """Which link each row's ring traffic used: :data:`INTRA`, :data:`INTER`, 0 (no ring traffic) or -1 (the row
     fits neither link, or both).
@@ -209,7 +225,7 @@ def ring_links(cost: CostModel, features: np.ndarray) -> np.ndarray:
             continue
         u = u_times_bw / bandwidth
         whole = np.round(u)
-        ok = (whole >= 1) & np.isclose(u, whole, rtol=1e-6, atol=0.0)
+        ok = (whole >= 1) & np.isclose(u, whole, rtol=_LINK_RTOL, atol=0.0)
         ok &= (whole > 1) == (f[ring, 5] > 0)
         ok &= degree <= whole * r * (1 + 1e-9)
         if node:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_hydra.planner.calibration import plain_rings_readable
 from lightning_hydra.planner.formation import DegreeSet, Formation, _Tables, form
 from lightning_hydra.planner.mcore_bound import Hopeless
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
@@ -316,9 +317,9 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
     robustness section: "A loop that times the rings its hedge is about"). Once the model is a calibrated one that
     has timed rings (``CostModel.rings_measured``, which stays set), hydra plans the formation its own model
     predicts fastest among those with plain rings on an untimed link the choice's own rings do not time, where that
-    model predicts it at least
-    :data:`EXPLORE_GAIN` faster than the choice, it may be chosen (no slower than the baselines under the planner's
-    model, within the baseline slack under every member) and its worst regret is at most 1 + :data:`EXPLORE_RISK`.
+    model predicts it at least :data:`EXPLORE_GAIN` faster than the choice, it may be chosen (no slower than the
+    baselines under the planner's model, within the baseline slack under every member) and its worst regret is at
+    most 1 + :data:`EXPLORE_RISK`.
     The refit after that step marks the link timed: the members stop hedging it, and the choice follows what the
     rings cost. Each such step times a link the window had not, so a window explores at most once per link (twice
     where steps are planned one ahead, :class:`~lightning_hydra.HydraDataModule`'s ``plan_ahead``: the next step was
@@ -328,9 +329,9 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
     regret: where it stopped on :meth:`~lightning_hydra.planner.mcore_bound.Hopeless.outranked`, Megatron's plan
     could have been the best under a member, and a formation's regret there a little higher). Read without it where
     it was formed, the fine candidate's regret on 64 x 32K standard-library batches fell under the bound and hydra
-    explored rings the ring member predicted 11% slower than Megatron's plan, timed 4.7% slower. Where the model's
-    intra-node ring link runs as fast as its inter-node one, a plain ring's link cannot be read from the step's
-    measurements (:func:`~lightning_hydra.planner.calibration.ring_links`), no refit would mark it, and hydra does not
+    explored rings the ring member predicted 11% slower than Megatron's plan, timed 4.7% slower. Where a plain ring's
+    link cannot be read from the step's measurements
+    (:func:`~lightning_hydra.planner.calibration.plain_rings_readable`), no refit would mark it, and hydra does not
     explore.
 
     Args:
@@ -348,8 +349,8 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
     inter = not cost.inter_rings_measured
     if not cost.rings_measured or not (intra or inter):
         return pick
-    if cost.ranks_per_node and np.isclose(cost.intra_node_ring_bandwidth, cost.inter_node_bandwidth, rtol=1e-6, atol=0):
-        return pick  # the links cannot be told apart in the measurements: exploring would not end
+    if not plain_rings_readable(cost):
+        return pick  # no refit would mark the link: exploring would not end
     if pick < len(formed):  # links the choice's own plain rings time anyway
         inside, across = formed[pick].plain_rings(req)
         intra, inter = intra and not inside, inter and not across
