@@ -829,8 +829,9 @@ def test_robustness_cells_plan_and_time_the_model_asked():
 
 
 def test_robustness_benchmark_draws_truths_and_shifts_the_batches(capsys):
-    """``--random-truths K`` adds the cells of ``random0 .. random<K-1>``, ``--seed-offset`` evaluates on other
-    batches (the cell says so), and a run without any truth is refused."""
+    """``--random-truths K`` adds the cells of ``random0 .. random<K-1>`` (``random<F> ..`` with
+    ``--first-random-truth F``), ``--seed-offset`` evaluates on other batches (the cell says so), and a run without
+    any truth, or with a negative first truth, is refused."""
     import json
 
     from lightning_hydra.bench.robust import main, run_pool
@@ -846,8 +847,14 @@ def test_robustness_benchmark_draws_truths_and_shifts_the_batches(capsys):
     assert summary["mean_best_candidate_minus_hydra"] >= 0  # the best candidate is one hydra chose from
     unshifted = run_pool(64, "32K", "stdlib", ["random0"], steps=1, evaluations=1)[0]
     assert "seed_offset" not in unshifted and unshifted["calibrated"]["mcore"] != cells[0]["calibrated"]["mcore"]
+    capsys.readouterr()  # the cell ``run_pool`` printed
+    main([*args, "1", "--truths", "--random-truths", "1", "--first-random-truth", "41"])
+    (fresh,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()][:-1]
+    assert fresh["truth"] == "random41"
     with pytest.raises(SystemExit):
         main([*args, "1", "--truths"])
+    with pytest.raises(SystemExit):
+        main([*args, "1", "--truths", "--random-truths", "1", "--first-random-truth", "-1"])
 
 
 def test_robustness_benchmark_can_plan_mcore_without_whole_pool_scans(capsys):

@@ -10,6 +10,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust --model llama3-70b  # another model shape (llama3-1b, default llama3-8b)
     python -m lightning_hydra.bench.robust --truths gemm2k fastgpu  # truths of other device constants
     python -m lightning_hydra.bench.robust --truths --random-truths 40 --seed-offset 5000  # drawn truths, new batches
+    python -m lightning_hydra.bench.robust --truths --random-truths 20 --first-random-truth 40 --seed-offset 9000
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -360,8 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         "--truths", nargs="*", default=list(TRUTHS), choices=[*TRUTHS, *DEVICE_TRUTHS], help="default: the grid's"
     )
     parser.add_argument(
-        "--random-truths", type=int, default=0, help=f"also truths {RANDOM_PREFIX}0 .. {RANDOM_PREFIX}<K-1> (drawn)"
+        "--random-truths", type=int, default=0, help=f"K drawn truths, {RANDOM_PREFIX}<F> .. {RANDOM_PREFIX}<F+K-1>"
     )
+    parser.add_argument(
+        "--first-random-truth", type=int, default=0,
+        help="F, the first drawn truth's number (truths no change was measured on: 40 on)",
+    )  # fmt: skip
     parser.add_argument("--seed-offset", type=int, default=0, help="shift every batch seed (other held-out batches)")
     parser.add_argument("--steps", type=int, default=8, help="closed-loop steps before the calibrated evaluation")
     parser.add_argument("--evaluations", type=int, default=2, help="held-out batches per cell (1 at 2,048 ranks)")
@@ -379,9 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fill must be in (0, 1], got {args.fill}")
     if args.microbatches < 1:
         parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
-    if args.random_truths < 0 or args.seed_offset < 0:
-        parser.error("--random-truths and --seed-offset must not be negative")
-    truths = [*args.truths, *(f"{RANDOM_PREFIX}{k}" for k in range(args.random_truths))]
+    if min(args.random_truths, args.first_random_truth, args.seed_offset) < 0:
+        parser.error("--random-truths, --first-random-truth and --seed-offset must not be negative")
+    first = args.first_random_truth
+    truths = [*args.truths, *(f"{RANDOM_PREFIX}{k}" for k in range(first, first + args.random_truths))]
     if not truths:
         parser.error("no truths: name some with --truths or draw some with --random-truths")
     sizes = args.world_sizes or ([64, 512, 2048] if args.full else [64, 512])
