@@ -18,7 +18,7 @@ from lightning_hydra.planner.calibration import (
     relative_error,
     ring_links,
 )
-from lightning_hydra.planner.robust import ensemble
+from lightning_hydra.planner.robust import EXPOSED_SHARE_WEIGHT, MEASURED_SHARE_WEIGHT, ensemble, member_weights
 
 COST = CostModel.for_transformer(256, 4, 8, flops_per_second=1e12, intra_node_bandwidth=1e9)
 
@@ -294,6 +294,59 @@ def test_the_refit_model_knows_which_links_its_window_timed():
             slow.inter_node_bandwidth / model.inter_node_bandwidth,
         )
         assert ratios == tuple(0.5 if h else 1.0 for h in halved)
+
+
+def test_the_refit_model_knows_whether_it_checked_exposed_rings():
+    """``exposure_measured`` is set where the window timed plain rings whose traffic attention did not hide (enough
+    of it to matter) and the refitted model predicts those bins within ``max_exposed_error``; not for rings its
+    attention hid, nested rings, busy times without communication, or a truth whose form the model misses (10%
+    per-bin noise); it travels with the model's dict. Set, the ring member keeps the fitted exposure instead of
+    charging 1, and the ring-share member counts ``EXPOSED_SHARE_WEIGHT`` once both links were timed."""
+    cost = COST.replace(ranks_per_node=8)
+    truth = cost.replace(ring_share=0.1, ring_exposure=0.3, attn=cost.attn * 1.1)
+    rng = np.random.default_rng(6)
+
+    def measure(u: int, r: int, low: int, high: int, crosses: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        feats = np.array(
+            [bin_features(cost, rng.integers(low, high, size=2), u, r, crosses=crosses) for _ in range(24)]
+        )
+        return feats, predict(truth, feats, includes_comm=True)
+
+    def checked(*steps: tuple[tuple[np.ndarray, np.ndarray], dict]) -> bool:
+        cal = CostCalibrator()
+        cal.add(*measure(2, 1, 256, 8192), includes_comm=True)  # Ulysses bins: the busy terms have data
+        for (feats, times), how in steps:
+            cal.add(feats, times, **how)
+        return cal.refit(cost).exposure_measured
+
+    short = measure(1, 4, 128, 2048)  # plain rings inside a node, their traffic mostly exposed
+    feats, times = short
+    assert (feats[:, 9] > 0.01 * times).all() and not cost.exposure_measured
+    assert checked((short, {"includes_comm": True}))
+    assert checked(((feats, times * 0.8), {"includes_comm": False, "comm": times * 0.2}))  # communication apart
+    assert not checked((short, {"includes_comm": False}))  # a thread timer: the rings' time is not seen
+    noisy = (feats, times * rng.uniform(0.9, 1.1, size=times.size))
+    assert not checked((noisy, {"includes_comm": True}))  # the model's form misses what they cost
+    hidden = measure(1, 4, 8192, 16384, crosses=True)  # long rings across nodes: attention hides the traffic
+    assert (hidden[0][:, 9] == 0).all() and not checked((hidden, {"includes_comm": True}))
+    nested = measure(2, 4, 128, 2048)  # a Ulysses level above the ring: not a plain ring
+    assert (nested[0][:, 9] > 0).any() and not checked((nested, {"includes_comm": True}))
+    cal = CostCalibrator()
+    cal.add(*measure(2, 1, 256, 8192), includes_comm=True)
+    cal.add(*short, includes_comm=True)
+    fitted = cal.refit(cost)
+    assert fitted.exposure_measured and relative_error(predict(fitted, short[0], includes_comm=True), short[1]) <= 0.01
+    assert CostModel.from_dict(fitted.to_dict()).exposure_measured is True
+    assert (
+        CostModel.from_dict({k: v for k, v in fitted.to_dict().items() if k != "exposure_measured"}).exposure_measured
+        is False
+    )
+    # the ring member keeps a checked exposure, else charges at least 1; the share member's weight
+    assert ensemble(fitted)[-1].ring_exposure == fitted.ring_exposure
+    assert ensemble(fitted.replace(exposure_measured=False))[-1].ring_exposure == 1.0
+    timed = fitted.replace(intra_rings_measured=True, inter_rings_measured=True)
+    assert member_weights(ensemble(timed))[2] == EXPOSED_SHARE_WEIGHT
+    assert member_weights(ensemble(timed.replace(exposure_measured=False)))[2] == MEASURED_SHARE_WEIGHT
 
 
 def test_calibrator_state_round_trip():

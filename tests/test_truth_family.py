@@ -366,6 +366,39 @@ def test_an_untimed_inter_node_link_is_slowed_at_most_by_half():
     assert efficiency(plan, hw)[0] > 1.04 * efficiency(power_of_two, hw)[0]
 
 
+def test_a_checked_exposure_is_not_hedged_back_to_one():
+    """The model a closed loop fitted to drawn truth ``random9`` (512 ranks, 256K lognormal, seed offset 5000, 8
+    steps): it timed plain rings on both links, 775 bins of them with traffic their attention did not hide, fitted
+    ``ring_exposure`` and ``ring_share`` at 0 and predicts those bins exactly (the truth's links are faster than
+    the model's). With that exposure checked, the ring member keeps it and the ring-share member steps aside, and
+    hydra takes the fine candidate its model ranks first, which the truth times more than 2% faster than the
+    memory-driven formation it took while those members charged the fine candidate's rings 7-10% more."""
+    from lightning_hydra.bench.robust import _batches, _request
+    from lightning_hydra.planner.hydra import candidate_plans
+
+    fitted = CostModel.from_dict(
+        {
+            "attn": 7.767100826506703e-10, "linear": 3.949922413722648e-05, "seq_overhead": 3.2577118230915837e-06,
+            "length_overhead": 4.556246095119987e-06, "bin_overhead": 0.10184926714354396,
+            "a2a_bytes_per_token": 1310720.0, "ring_bytes_per_token": 524288.0,
+            "intra_node_bandwidth": 698141138878.223, "inter_node_bandwidth": 50000000000.0,
+            "intra_node_ring_bandwidth": 400000000000.0, "ranks_per_node": 8, "a2a_latency": 0.0007005728462680119,
+            "min_chunk_tokens": 128.0, "p2p_latency": 0.0014518601399840425, "ring_share": 0.0,
+            "ring_exposure": 2.8125856099269376e-11, "rings_measured": True, "intra_rings_measured": True,
+            "inter_rings_measured": True, "exposure_measured": True
+        }
+    )  # fmt: skip
+    assert fitted.exposure_measured and fitted.intra_rings_measured and fitted.inter_rings_measured
+    batch = _batches("lognormal", 512, "256K", range(6000, 6001), 0.75, 8)[0]
+    plan, _ = _plan(batch, "hydra", fitted, 512, "256K", 8)
+    assert plan.stats["candidate"] == "fine/load"
+    hedged, _ = _plan(batch, "hydra", fitted.replace(exposure_measured=False), 512, "256K", 8)
+    assert hedged.stats["candidate"] == "pow2/memory"
+    memory = candidate_plans(_request(batch, fitted, 512, "256K"))["pow2/memory"]
+    hw = truth("random9", LLAMA_8B.num_layers)
+    assert efficiency(plan, hw)[0] > 1.02 * efficiency(memory, hw)[0]
+
+
 def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
     """64 ranks, 256K lognormal batches in 16 microbatches under the ``base`` truth. A loop whose plans hold rings only
     under a Ulysses level leaves both ring links untimed, the ensemble's members charge plain rings more there, and

@@ -37,7 +37,9 @@ loop of Megatron's plans) would be predicted without their share. The refitted m
 held ring traffic (:attr:`CostModel.rings_measured`): until one has, the ring's coefficients are the analytic ones,
 and the planner's robust choice weighs slower rings too. It also records which ring links the current window timed
 with rings without a Ulysses level (inside a node, across nodes: :func:`ring_links` tells a ring's link from its
-features), so the robust choice stops hedging a ring link a measurement has fitted.
+features), so the robust choice stops hedging a ring link a measurement has fitted; and whether the window held plain
+rings whose traffic their attention did not hide, enough of it to matter, which the refitted model predicts closely
+(:attr:`CostModel.exposure_measured`), so the robust choice stops hedging an exposure and a ring share it checked.
 """
 
 from __future__ import annotations
@@ -278,6 +280,14 @@ class CostCalibrator:
     max_change: float = 100.0
     """Largest factor by which one refit may move a rate (``attn``, ``linear``, the all-to-all bandwidth): a guard
     against a corrupt measurement."""
+    min_exposed_share: float = 0.01
+    """Least exposed ring traffic (at ``ring_exposure`` 1, summed) as a share of the summed measured time of the bins
+    of plain rings whose attention did not hide it, for the window to count as having timed exposed rings
+    (:attr:`CostModel.exposure_measured`)."""
+    max_exposed_error: float = 0.01
+    """Largest relative error (:func:`relative_error`) of the refitted model on those bins for
+    :attr:`CostModel.exposure_measured`: where the model's form misses what they cost, the robust choice keeps
+    hedging them."""
     _rows: deque = field(default_factory=deque, init=False, repr=False)
     _links_of: deque = field(default_factory=deque, init=False, repr=False)
     """Per entry of ``_rows``, the ring links it timed once computed (``(key, intra, inter)``, ``key`` the ring
@@ -398,7 +408,34 @@ class CostCalibrator:
         values["intra_rings_measured"], values["inter_rings_measured"] = self._links(cost)
         self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
         self._bandwidth = values["intra_node_bandwidth"]
-        return cost.replace(**values)
+        values["exposure_measured"] = False
+        refitted = cost.replace(**values)
+        return refitted.replace(exposure_measured=self._exposure_checked(cost, refitted))
+
+    def _exposure_checked(self, cost: CostModel, refitted: CostModel) -> bool:
+        """Whether the window's bins of rings without a Ulysses level (on a link :func:`ring_links` tells) whose
+        traffic their attention did not hide carry exposed traffic (at ``ring_exposure`` 1) of at least
+        :attr:`min_exposed_share` of their measured time, and ``refitted`` predicts their times within
+        :attr:`max_exposed_error` (:func:`relative_error`); only bins whose communication was measured count. The
+        features were computed with ``cost``'s ring constants (never refitted)."""
+        exposed, measured, predicted = 0.0, [], []
+        for f, t, c, joint in self._rows:
+            if not joint and c is None:
+                continue
+            rows = (f[:, 5] == 0) & (f[:, 9] > 0)
+            if not rows.any():
+                continue
+            rows[rows] = ring_links(cost, f[rows]) > 0
+            total = t[rows] if joint else t[rows] + c[rows]
+            exposed += float(f[rows, 9].sum())
+            measured.append(total)
+            predicted.append(predict(refitted, f[rows], includes_comm=True))
+        if not measured:
+            return False
+        total = np.concatenate(measured)
+        if exposed < self.min_exposed_share * float(total.sum()):
+            return False
+        return relative_error(np.concatenate(predicted), total) <= self.max_exposed_error
 
     def _links(self, cost: CostModel) -> tuple[bool, bool]:
         """Whether the window timed rings without a Ulysses level inside a node and across nodes, counting only

@@ -107,6 +107,12 @@ class CostModel:
     inter_rings_measured: bool = False
     """Whether the last refit's window held timed traffic of rings without a Ulysses level across nodes (see
     :attr:`intra_rings_measured`)."""
+    exposure_measured: bool = False
+    """Whether the last refit's window held rings without a Ulysses level whose traffic their attention did not hide,
+    enough of it to matter, and the refitted model predicts those bins' times closely
+    (:meth:`~lightning_hydra.planner.calibration.CostCalibrator.refit`): ``ring_share`` and ``ring_exposure`` were
+    then fitted, and checked, on the rings the robust choice's ring members hedge
+    (:func:`~lightning_hydra.planner.robust.ensemble`)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -214,7 +220,7 @@ class CostModel:
         values = dict(values)
         if "ranks_per_node" in values:
             values["ranks_per_node"] = int(values["ranks_per_node"])
-        for flag in ("intra_rings_measured", "inter_rings_measured"):
+        for flag in ("intra_rings_measured", "inter_rings_measured", "exposure_measured"):
             if flag in values:
                 values[flag] = bool(values[flag])
         if "rings_measured" in values:

@@ -25,6 +25,7 @@ from lightning_hydra.planner.cost import CostModel
 
 __all__ = [
     "BASELINE_SLACK",
+    "EXPOSED_SHARE_WEIGHT",
     "MEASURED_COMM_WEIGHT",
     "MEASURED_SHARE_WEIGHT",
     "TIE",
@@ -70,6 +71,23 @@ truths at 64 and 512 ranks, 60 of the 256K cells rose (by up to 2.6%) and 7 fell
 stdlib under ``worst``, 1.146 -> 1.134, where the loop's path changed the candidates themselves); every row's worst
 stayed or rose but that one, and no 32K cell moved (the README's robustness section). Half, not zero, for the
 reason :data:`MEASURED_COMM_WEIGHT` gives."""
+
+EXPOSED_SHARE_WEIGHT = 0.0
+"""Weight of the ring-share member once the window has timed plain rings on every ring link and also checked their
+exposed traffic (:attr:`CostModel.exposure_measured`: bins of plain rings whose traffic their attention did not hide,
+at least 1% of their time, predicted within 1% by the refitted model); the ring member then keeps the fitted
+exposure too (:func:`_ring_member`). Both members hedge the ring's form on rings the window did not hold; a window
+that held such rings and predicts them has checked the share and exposure on them, and the members, which add a
+quarter to the share and charge exposure 1, hedged the measurement itself. Found on drawn truths no change had been
+measured on (``bench.robust --truths --random-truths 10 --first-random-truth 40 --seed-offset 9000 --world-sizes
+2048 --contexts 256K``): under ``random42`` (lognormal) the loop's model was within 0.01% of the truth and ranked the
+fine candidate 2.7% ahead of the memory-driven formation (the truth: 2.6%), the ring-share member at half weight
+charged it 8.4% more and hydra took the memory-driven formation, 1.014x mcore where the fine candidate reached
+1.041x; under ``random46`` and the earlier set's ``random9`` (512 ranks) the ring member decided with it. Zero: the
+member adds nothing a checked fit does not already say, and at half weight it alone still kept ``random42`` out.
+Measured on 19 rows of the README's robustness section and 270 cells of those fresh truths (1,282 cells, the
+README's "A checked exposure is not hedged back"): 26 cells up by up to 5.1%, 2 down by at most 0.3%, no row's
+worst lower, ``random42`` 1.014 -> 1.040 (its best candidate)."""
 
 _SHARE_MEMBER = 2
 """Index in :func:`ensemble` of the member that adds a quarter to the ring's always-exposed share."""
@@ -137,9 +155,9 @@ def member_weights(models: list[CostModel]) -> np.ndarray:
     """Weight of each member's regret in :func:`choose` (the planner's own model and every perturbed member 1, but
     the member with slower communication :data:`MEASURED_COMM_WEIGHT` once calibration has measured ring traffic,
     and the member with a larger ring share :data:`MEASURED_SHARE_WEIGHT` once it has timed plain rings on every ring
-    link). The first member stops slowing a ring link once the window has timed plain rings on it
-    (:func:`_comm_member`); where it slows one, the fit extrapolates to it, and the weight is a half, not zero, so the
-    member still steers there.
+    link, :data:`EXPOSED_SHARE_WEIGHT` once it has also checked their exposed traffic). The first member stops
+    slowing a ring link once the window has timed plain rings on it (:func:`_comm_member`); where it slows one, the
+    fit extrapolates to it, and the weight is a half, not zero, so the member still steers there.
 
     Args:
         models: The :func:`ensemble` the candidates were scored under (the planner's own model first).
@@ -149,7 +167,7 @@ def member_weights(models: list[CostModel]) -> np.ndarray:
     if own.rings_measured:
         weights[_COMM_MEMBER] = MEASURED_COMM_WEIGHT
     if own.inter_rings_measured and (own.intra_rings_measured or not own.ranks_per_node):
-        weights[_SHARE_MEMBER] = MEASURED_SHARE_WEIGHT
+        weights[_SHARE_MEMBER] = EXPOSED_SHARE_WEIGHT if own.exposure_measured else MEASURED_SHARE_WEIGHT
     return weights
 
 
@@ -176,7 +194,9 @@ def _comm_member(cost: CostModel) -> CostModel:
 
 
 def _ring_member(cost: CostModel) -> CostModel:
-    """``cost`` with ring transfers hidden no better than perfect overlap (``ring_exposure`` at least 1) and each ring
+    """``cost`` with ring transfers hidden no better than perfect overlap (``ring_exposure`` at least 1, unless the
+    window checked the fitted one on plain rings whose traffic attention did not hide:
+    :attr:`CostModel.exposure_measured`) and each ring
     link on which the calibration window timed no plain ring (:attr:`CostModel.intra_rings_measured`,
     :attr:`CostModel.inter_rings_measured`) slowed by as much as the all-to-all runs below the ring's intra-node link
     (the same link; calibration refits the one, not the other), the inter-node link to no less than half its
@@ -195,7 +215,7 @@ def _ring_member(cost: CostModel) -> CostModel:
     took the memory-driven formation where Megatron's plan was best; the model's error there was the token-wise work
     charged at the tile-bounded degree, and with it at ``L / d`` the row is at 1.000 (README, "The token-wise work at
     ``L / d``")."""
-    member = cost.replace(ring_exposure=max(cost.ring_exposure, 1.0))
+    member = cost.replace(ring_exposure=cost.ring_exposure if cost.exposure_measured else max(cost.ring_exposure, 1.0))
     slow = min(1.0, cost.intra_node_bandwidth / cost.intra_node_ring_bandwidth)
     return member.replace(
         intra_node_ring_bandwidth=cost.intra_node_ring_bandwidth * (1.0 if cost.intra_rings_measured else slow),
