@@ -290,8 +290,8 @@ class CostCalibrator:
     hedging them."""
     _rows: deque = field(default_factory=deque, init=False, repr=False)
     _links_of: deque = field(default_factory=deque, init=False, repr=False)
-    """Per entry of ``_rows``, the ring links it timed once computed (``(key, intra, inter)``, ``key`` the ring
-    constants they were read with), else ``None``: each step is read once, not at every refit of its window."""
+    """Per entry of ``_rows``, its rows' plain-ring links once read (``(key, links)``, ``key`` the ring constants they
+    were read with; :meth:`_row_links`), else ``None``: each step is read once, not at every refit of its window."""
     _first_bandwidth: float = field(default=0.0, init=False, repr=False)
     _bandwidth: float = field(default=0.0, init=False, repr=False)
     refits: int = field(default=0, init=False)
@@ -408,24 +408,20 @@ class CostCalibrator:
         values["intra_rings_measured"], values["inter_rings_measured"] = self._links(cost)
         self._first_bandwidth = self._first_bandwidth or cost.intra_node_bandwidth
         self._bandwidth = values["intra_node_bandwidth"]
-        values["exposure_measured"] = False
         refitted = cost.replace(**values)
         return refitted.replace(exposure_measured=self._exposure_checked(cost, refitted))
 
     def _exposure_checked(self, cost: CostModel, refitted: CostModel) -> bool:
-        """Whether the window's bins of rings without a Ulysses level (on a link :func:`ring_links` tells) whose
-        traffic their attention did not hide carry exposed traffic (at ``ring_exposure`` 1) of at least
-        :attr:`min_exposed_share` of their measured time, and ``refitted`` predicts their times within
-        :attr:`max_exposed_error` (:func:`relative_error`); only bins whose communication was measured count. The
-        features were computed with ``cost``'s ring constants (never refitted)."""
+        """Whether the window's bins of rings without a Ulysses level (on a link :func:`ring_links` tells, their
+        communication measured: :meth:`_row_links`) whose traffic their attention did not hide carry exposed traffic
+        (at ``ring_exposure`` 1) of at least :attr:`min_exposed_share` of their measured time, and ``refitted``
+        predicts their times within :attr:`max_exposed_error` (:func:`relative_error`). The features were computed
+        with ``cost``'s ring constants (never refitted)."""
         exposed, measured, predicted = 0.0, [], []
-        for f, t, c, joint in self._rows:
-            if not joint and c is None:
-                continue
-            rows = (f[:, 5] == 0) & (f[:, 9] > 0)
+        for (f, t, c, joint), links in zip(self._rows, self._row_links(cost), strict=True):
+            rows = (links > 0) & (f[:, 9] > 0)
             if not rows.any():
                 continue
-            rows[rows] = ring_links(cost, f[rows]) > 0
             total = t[rows] if joint else t[rows] + c[rows]
             exposed += float(f[rows, 9].sum())
             measured.append(total)
@@ -438,26 +434,34 @@ class CostCalibrator:
         return relative_error(np.concatenate(predicted), total) <= self.max_exposed_error
 
     def _links(self, cost: CostModel) -> tuple[bool, bool]:
-        """Whether the window timed rings without a Ulysses level inside a node and across nodes, counting only
-        rows whose communication was fitted (a time that includes it, or a separate measurement of it). A nested
-        ring moves 1/u of the bytes per rank, mostly behind attention, and says little of a plain ring on the same
-        link."""
+        """Whether the window timed rings without a Ulysses level inside a node and across nodes (:meth:`_row_links`).
+        A nested ring moves 1/u of the bytes per rank, mostly behind attention, and says little of a plain ring on the
+        same link."""
+        links = self._row_links(cost)
+        return any(bool((x == INTRA).any()) for x in links), any(bool((x == INTER).any()) for x in links)
+
+    def _row_links(self, cost: CostModel) -> list[np.ndarray]:
+        """Per window entry, each row's ring link (:func:`ring_links`) where it is a ring without a Ulysses level and
+        its communication was fitted (a time that includes it, or a separate measurement of it), else 0; read once
+        per entry and ring constants, not at every refit of its window."""
         key = (
             cost.ring_bytes_per_token,
             cost.intra_node_ring_bandwidth,
             cost.inter_node_bandwidth,
             cost.ranks_per_node,
         )
-        intra = inter = False
+        out = []
         for i, (f, _, c, joint) in enumerate(self._rows):
             known = self._links_of[i]
             if known is None or known[0] != key:
-                rows = f if joint else f[c > 0] if c is not None else f[:0]
-                links = np.where(rows[:, 5] > 0, 0, ring_links(cost, rows))
-                known = (key, bool((links == INTRA).any()), bool((links == INTER).any()))
+                timed = np.full(len(f), joint) if c is None else c > 0
+                plain = timed & (f[:, 5] == 0)
+                links = np.zeros(len(f), dtype=np.int64)
+                links[plain] = ring_links(cost, f[plain])
+                known = (key, links)
                 self._links_of[i] = known
-            intra, inter = intra or known[1], inter or known[2]
-        return intra, inter
+            out.append(known[1])
+        return out
 
     def _inseparable(self, gram: np.ndarray, free: np.ndarray) -> np.ndarray:
         """Refinements (:data:`REFINEMENTS`, in that order) among ``free`` whose normalised column lies within
