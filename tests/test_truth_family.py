@@ -890,6 +890,43 @@ def test_robustness_benchmark_draws_truths_and_shifts_the_batches(capsys):
         main([*args, "1", "--truths", "--random-truths", "1", "--first-random-truth", "-1"])
 
 
+def test_robustness_benchmark_can_calibrate_on_a_scattering_timer(capsys):
+    """``--noise SIGMA`` multiplies each bin the closed loop times by a lognormal factor of mean 1 and log-standard
+    deviation ``SIGMA``, drawn alike in every process: the same cell twice is the same, the loop's model (and so its
+    error on the evaluations, which are timed without noise) moves off the noise-free one, the baselines do not, and
+    the cell says so; ``0`` is the noise-free cell and a negative scatter is refused."""
+    import json
+
+    from lightning_hydra.bench.robust import main, measurement_noise, run_pool
+
+    draws = measurement_noise((200, 500), 0.05, (3, 1))
+    assert np.array_equal(draws, measurement_noise((200, 500), 0.05, (3, 1)))
+    assert not np.array_equal(draws, measurement_noise((200, 500), 0.05, (3, 2)))
+    assert abs(draws.mean() - 1.0) < 2e-3 and abs(np.log(draws).std() - 0.05) < 1e-3
+    assert np.array_equal(measurement_noise((4,), 0.0, (0,)), np.ones(4))
+
+    def cell(**kw):  # without the planning times
+        return {k: v for k, v in run_pool(64, "32K", "stdlib", ["share25"], steps=2, evaluations=1, **kw)[0].items()
+                if k != "schedule_ms"}  # fmt: skip
+
+    clean = cell()
+    assert cell(noise=0.0) == clean
+    noisy = cell(noise=0.1)
+    assert noisy["noise"] == 0.1 and "noise" not in clean
+    assert noisy["calibrated"]["model_error"] != clean["calibrated"]["model_error"]
+    assert noisy["calibrated"]["mcore"] == clean["calibrated"]["mcore"]
+    assert noisy["uncalibrated"] == clean["uncalibrated"]
+    capsys.readouterr()
+    args = ["--world-sizes", "64", "--contexts", "32K", "--distributions", "stdlib", "--steps", "2", "--evaluations"]
+    main([*args, "1", "--truths", "share25", "--noise", "0.1"])
+    printed = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert {k: v for k, v in printed.items() if k != "schedule_ms"} == noisy
+    with pytest.raises(ValueError, match="negative"):
+        cell(noise=-0.01)
+    with pytest.raises(SystemExit):
+        main([*args, "1", "--truths", "share25", "--noise", "-0.01"])
+
+
 def test_robustness_benchmark_can_plan_mcore_without_whole_pool_scans(capsys):
     """``--mcore-fast`` plans mcore's baseline with the placement without whole-pool scans: the same plans, so
     every efficiency of the cell is the same; the cell says which planner made them."""

@@ -11,6 +11,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
     python -m lightning_hydra.bench.robust --truths gemm2k fastgpu  # truths of other device constants
     python -m lightning_hydra.bench.robust --truths --random-truths 40 --seed-offset 5000  # drawn truths, new batches
     python -m lightning_hydra.bench.robust --truths --random-truths 20 --first-random-truth 40 --seed-offset 9000
+    python -m lightning_hydra.bench.robust --noise 0.03  # the closed loop's timer scatters by about 3% per bin
 
 Per cell, on held-out evaluation batches (seeds the planner never saw): the efficiency under the truth
 (:mod:`lightning_hydra.sim.family`; useful FLOP time at the device's best efficiencies over the pool, divided by the
@@ -32,6 +33,11 @@ balance with every sequence at its cheapest degree; an upper bound, not a reacha
 ``hydra_of_ceiling``; where the ceiling is below :data:`EFFICIENCY_TARGET`, no scheduler meets that target there.
 ``loop_steps``: the efficiency of each closed-loop step under the truth (what a run pays while it calibrates, on its
 own batches), and ``loop_min_of_ceiling`` the lowest step's share of its own batch's ceiling.
+
+The truths are noise-free: a device's timer is not. ``--noise SIGMA`` multiplies every bin the closed loop times by
+its own lognormal factor of mean 1 (log-standard deviation ``SIGMA``, seeded per cell and step:
+:func:`measurement_noise`) before calibration reads it; the evaluations stay noise-free (the truth's expected
+times), so the cells say what calibrating on a scattering timer costs the plans.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 from typing import Any
 
 import numpy as np
@@ -67,6 +74,7 @@ __all__ = [
     "analytic_cost",
     "efficiency",
     "main",
+    "measurement_noise",
     "run_pool",
 ]
 
@@ -157,32 +165,62 @@ def _batches(
 
 def _closed_loop(
     batches: list[np.ndarray], hw: Hardware, world: int, context: str, microbatches: int = 8,
-    model: ModelShape = LLAMA_8B, steps: list[float] | None = None,
+    model: ModelShape = LLAMA_8B, steps: list[float] | None = None, noise: float = 0.0, noise_seed: int = 0,
 ) -> CostModel:  # fmt: skip
     """The analytic model refitted over ``batches``: hydra plans each, the truth times it, calibration refits; each
-    step's efficiency under the truth (what training pays while it calibrates) is appended to ``steps``."""
+    step's efficiency under the truth (what training pays while it calibrates) is appended to ``steps``.
+
+    ``noise``: where positive, each timed bin (a rank's time in a microbatch) reaches calibration multiplied by its
+    own draw of a lognormal factor of mean 1 and log-standard deviation ``noise`` (:func:`measurement_noise`; step
+    ``i``'s draws seeded by ``(noise_seed, i)``), as a device's timer scatters; the step's efficiency is the
+    truth's, without noise."""
     cost = analytic_cost(model)
     calibrator = CostCalibrator()
-    for lengths in batches:
+    for i, lengths in enumerate(batches):
         plan, _ = _plan(lengths, "hydra", cost, world, context, microbatches, model)
         step, times = efficiency(plan, hw, model)
         if steps is not None:
             steps.append(step)
+        if noise > 0:
+            times = times * measurement_noise(times.shape, noise, (noise_seed, i))
         calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
         cost = calibrator.refit(cost)
     return cost
 
 
+def measurement_noise(shape: tuple[int, ...], sigma: float, seed: tuple[int, ...]) -> np.ndarray:
+    """Independent multiplicative timer noise: ``exp(sigma * Z - sigma**2 / 2)`` per entry (``Z`` standard normal),
+    a factor of mean 1 whose logarithm has standard deviation ``sigma`` (0.03: about 3% scatter per timed bin).
+
+    Args:
+        shape: Shape of the timed array.
+        sigma: Log-standard deviation (non-negative).
+        seed: Seed of the draws (:func:`numpy.random.default_rng`).
+    """
+    if sigma < 0:
+        raise ValueError(f"noise must not be negative, got {sigma}")
+    return np.exp(np.random.default_rng(list(seed)).normal(-0.5 * sigma * sigma, sigma, size=shape))
+
+
+def _noise_seed(*key: object) -> int:
+    """A seed for a cell's measurement noise that every process derives alike (not Python's salted ``hash``)."""
+    return zlib.crc32("/".join(map(str, key)).encode())
+
+
 def run_pool(
     world: int, context: str, dist: str, truths: list[str], *, steps: int, evaluations: int, fill: float = 0.75,
     microbatches: int = 8, model: ModelShape = LLAMA_8B, seed_offset: int = 0, mcore_fast: bool = False,
+    noise: float = 0.0,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every truth's cell for one pool, context and distribution (baselines planned once); batches hold ``fill`` of
     the pool's tokens over ``microbatches`` microbatches; ``model`` is planned and timed; the evaluation batches'
     seeds are ``1000 + seed_offset`` on, the closed loop's ``2000 + seed_offset`` on. ``mcore_fast``: mcore's plan
     is made by :func:`~lightning_hydra.planner.mcore_fast.schedule_mcore_fast` (the same plan, without the
     baseline's whole-pool scans, which take hours on 2,048-rank batches of 70,000 sequences); its ``schedule_ms``
-    is then that placement's."""
+    is then that placement's. ``noise``: the closed loop's timer scatter (:func:`_closed_loop`), seeded per cell;
+    the evaluations are timed without it."""
+    if noise < 0:
+        raise ValueError(f"noise must not be negative, got {noise}")
     mbs = microbatches
     held_out = _batches(dist, world, context, range(1000 + seed_offset, 1000 + seed_offset + evaluations), fill, mbs)
     loop = _batches(dist, world, context, range(2000 + seed_offset, 2000 + seed_offset + steps), fill, mbs)
@@ -205,6 +243,8 @@ def run_pool(
             cell["seed_offset"] = seed_offset
         if mcore_fast:
             cell["mcore_planner"] = "mcore_fast"
+        if noise:
+            cell["noise"] = noise
         eff = {p: statistics.fmean(efficiency(plan, hw, model)[0] for plan, _ in runs) for p, runs in fixed.items()}
         cell["uncalibrated"] = {
             **{p: round(v, 4) for p, v in eff.items()},
@@ -216,7 +256,8 @@ def run_pool(
 
         ceiling = statistics.fmean(ceiling_of(b) for b in held_out)
         steps_eff: list[float] = []
-        cost = _closed_loop(loop, hw, world, context, mbs, model, steps_eff)
+        seed = _noise_seed(world, context, dist, name, fill, mbs, seed_offset)
+        cost = _closed_loop(loop, hw, world, context, mbs, model, steps_eff, noise, seed)
         cal, own_h, own_m, errors, picks, best, best_names = [], [], [], [], [], [], []
         for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
             plan, _ = _plan(lengths, "hydra", cost, world, context, mbs, model)
@@ -379,13 +420,17 @@ def main(argv: list[str] | None = None) -> int:
         help="plan mcore's baseline without its whole-pool scans (the same plan; for 2,048-rank batches of 70,000 "
         "sequences, where the scans take hours)",
     )  # fmt: skip
+    parser.add_argument(
+        "--noise", type=float, default=0.0,
+        help="log-standard deviation of the closed loop's timer noise per timed bin (0.03: about 3%%; default 0)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not 0 < args.fill <= 1:
         parser.error(f"--fill must be in (0, 1], got {args.fill}")
     if args.microbatches < 1:
         parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
-    if min(args.random_truths, args.first_random_truth, args.seed_offset) < 0:
-        parser.error("--random-truths, --first-random-truth and --seed-offset must not be negative")
+    if min(args.random_truths, args.first_random_truth, args.seed_offset, args.noise) < 0:
+        parser.error("--random-truths, --first-random-truth, --seed-offset and --noise must not be negative")
     first = args.first_random_truth
     truths = [*args.truths, *(f"{RANDOM_PREFIX}{k}" for k in range(first, first + args.random_truths))]
     if not truths:
@@ -400,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells += run_pool(
                     world, context, dist, truths, steps=args.steps, evaluations=evaluations, fill=args.fill,
                     microbatches=args.microbatches, model=MODELS[args.model], seed_offset=args.seed_offset,
-                    mcore_fast=args.mcore_fast,
+                    mcore_fast=args.mcore_fast, noise=args.noise,
                 )  # fmt: skip
     summary = {"summary": summarize(cells), "seconds": round(time.perf_counter() - start, 1), "load": os.getloadavg()}
     print(json.dumps(summary), flush=True)
