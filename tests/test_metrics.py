@@ -14,6 +14,7 @@ from lightning_hydra.planner.calibration import (
     NUM_FEATURES,
     CostCalibrator,
     bin_features,
+    excess_error,
     predict,
     relative_error,
     ring_links,
@@ -347,6 +348,40 @@ def test_the_refit_model_knows_whether_it_checked_exposed_rings():
     timed = fitted.replace(intra_rings_measured=True, inter_rings_measured=True)
     assert member_weights(ensemble(timed))[2] == EXPOSED_SHARE_WEIGHT
     assert member_weights(ensemble(timed.replace(exposure_measured=False)))[2] == MEASURED_SHARE_WEIGHT
+
+
+def test_a_scattering_timer_does_not_hide_a_checked_exposure():
+    """A timer that scatters every bin by about 3% (lognormal, as a device's does) puts the exposed plain rings'
+    relative error above ``max_exposed_error`` even where the model's form is right; the excess of their error over
+    the other bins' (:func:`excess_error`) takes the shared scatter out, so the exposure still counts as checked.
+    Where the rings scatter by 10% more than the rest (the form misses them) it does not."""
+    cost = COST.replace(ranks_per_node=8)
+    truth = cost.replace(ring_share=0.1, ring_exposure=0.3, attn=cost.attn * 1.1)
+    rng = np.random.default_rng(11)
+
+    def measure(u: int, r: int, spread: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        feats = np.array([bin_features(cost, rng.integers(128, 2048, size=2), u, r) for _ in range(48)])
+        times = predict(truth, feats, includes_comm=True) * rng.uniform(1 - spread, 1 + spread, size=len(feats))
+        return feats, times * rng.lognormal(-0.5 * 0.03**2, 0.03, size=len(feats))
+
+    def refit(spread: float) -> tuple[CostModel, list[tuple[np.ndarray, np.ndarray]]]:
+        cal, rings = CostCalibrator(), []
+        for _ in range(8):
+            cal.add(*measure(2, 1), includes_comm=True)
+            rings.append(measure(1, 4, spread))
+            cal.add(*rings[-1], includes_comm=True)
+        return cal.refit(cost), rings
+
+    fitted, rings = refit(0.0)
+    feats, times = (np.concatenate(x) for x in zip(*rings, strict=True))
+    assert relative_error(predict(fitted, feats, includes_comm=True), times) > CostCalibrator().max_exposed_error
+    assert fitted.exposure_measured
+    assert not refit(0.1)[0].exposure_measured
+    # the excess: the root mean square relative error where the base is exact, nothing below the base's
+    m = np.array([1.0, 2.0, 4.0])
+    assert excess_error(m * 1.02, m, m, m) == pytest.approx(0.02)
+    assert excess_error(m * 1.02, m, m * 1.03, m) == 0.0
+    assert np.isnan(excess_error(m, m, m, np.zeros(3)))
 
 
 def test_calibrator_state_round_trip():
