@@ -248,13 +248,18 @@ def predict(cost: CostModel, features: np.ndarray, *, includes_comm: bool) -> np
     return f[:, cols] @ theta[cols]
 
 
-def relative_error(predicted: np.ndarray, measured: np.ndarray) -> float:
-    """``sum |predicted - measured| / sum measured`` over the busy entries (``nan`` when nothing was measured)."""
+def _busy(predicted: np.ndarray, measured: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """The predicted and measured times of the busy entries (measured above 0), and their summed measured time."""
     pred = np.asarray(predicted, dtype=np.float64).ravel()
     meas = np.asarray(measured, dtype=np.float64).ravel()
     busy = meas > 0
-    total = float(meas[busy].sum())
-    return float(np.abs(pred[busy] - meas[busy]).sum() / total) if total > 0 else float("nan")
+    return pred[busy], meas[busy], float(meas[busy].sum())
+
+
+def relative_error(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """``sum |predicted - measured| / sum measured`` over the busy entries (``nan`` when nothing was measured)."""
+    pred, meas, total = _busy(predicted, measured)
+    return float(np.abs(pred - meas).sum() / total) if total > 0 else float("nan")
 
 
 def excess_error(predicted: np.ndarray, measured: np.ndarray, base_predicted: np.ndarray, base: np.ndarray) -> float:
@@ -273,14 +278,18 @@ def excess_error(predicted: np.ndarray, measured: np.ndarray, base_predicted: np
         base: Their measured times.
     """
 
-    def mean_square(p: np.ndarray, m: np.ndarray) -> float:
-        p, m = np.asarray(p, dtype=np.float64).ravel(), np.asarray(m, dtype=np.float64).ravel()
-        busy = m > 0
-        total = float(m[busy].sum())
-        return float(((p[busy] - m[busy]) ** 2 / m[busy]).sum() / total) if total > 0 else float("nan")
+    def mean_square(predicted: np.ndarray, measured: np.ndarray) -> float:
+        pred, meas, total = _busy(predicted, measured)
+        return float(((pred - meas) ** 2 / meas).sum() / total) if total > 0 else float("nan")
 
     excess = mean_square(predicted, measured) - mean_square(base_predicted, base)
-    return float(np.sqrt(excess)) if excess > 0 else (0.0 if excess <= 0 else float("nan"))
+    return float("nan") if np.isnan(excess) else float(np.sqrt(max(excess, 0.0)))
+
+
+def _timed(features: np.ndarray, comm: np.ndarray | None, joint: bool) -> np.ndarray:
+    """Which rows of a window entry had their communication measured: all of them where the time includes it
+    (``joint``), those with a separate measurement above 0 where one was given, else none."""
+    return np.full(len(features), joint) if comm is None else comm > 0
 
 
 @dataclass(kw_only=True)
@@ -448,14 +457,10 @@ class CostCalibrator:
         scatters, by the :func:`excess_error` of those bins over the window's other bins whose communication was
         measured (scatter the two share; a form that misses exposed rings adds to the first only). The features
         were computed with ``cost``'s ring constants (never refitted)."""
-        exposed, measured, predicted, other, other_predicted = 0.0, [], [], [], []
+        exposed, measured, predicted, rest = 0.0, [], [], []
         for (f, t, c, joint), links in zip(self._rows, self._row_links(cost), strict=True):
             rows = (links > 0) & (f[:, 9] > 0)
-            timed = np.full(len(f), joint) if c is None else c > 0
-            rest = timed & ~rows
-            if rest.any():
-                other.append(t[rest] if joint else t[rest] + c[rest])
-                other_predicted.append(predict(refitted, f[rest], includes_comm=True))
+            rest.append(_timed(f, c, joint) & ~rows)
             if not rows.any():
                 continue
             total = t[rows] if joint else t[rows] + c[rows]
@@ -470,11 +475,16 @@ class CostCalibrator:
         guess = np.concatenate(predicted)
         if relative_error(guess, total) <= self.max_exposed_error:
             return True
-        if not other:
+        entries = [
+            (f[r], t[r] if joint else t[r] + c[r])
+            for (f, t, c, joint), r in zip(self._rows, rest, strict=True)
+            if r.any()  # rows without a timed communication have no ``c`` to add
+        ]
+        if not entries:
             return False
-        return excess_error(guess, total, np.concatenate(other_predicted), np.concatenate(other)) <= (
-            self.max_exposed_error
-        )
+        other = np.concatenate([m for _, m in entries])
+        other_guess = np.concatenate([predict(refitted, f, includes_comm=True) for f, _ in entries])
+        return excess_error(guess, total, other_guess, other) <= self.max_exposed_error
 
     def _links(self, cost: CostModel) -> tuple[bool, bool]:
         """Whether the window timed rings without a Ulysses level inside a node and across nodes (:meth:`_row_links`).
@@ -497,8 +507,7 @@ class CostCalibrator:
         for i, (f, _, c, joint) in enumerate(self._rows):
             known = self._links_of[i]
             if known is None or known[0] != key:
-                timed = np.full(len(f), joint) if c is None else c > 0
-                plain = timed & (f[:, 5] == 0)
+                plain = _timed(f, c, joint) & (f[:, 5] == 0)
                 links = np.zeros(len(f), dtype=np.int64)
                 links[plain] = ring_links(cost, f[plain])
                 known = (key, links)
