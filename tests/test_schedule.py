@@ -607,8 +607,9 @@ def test_a_group_a_newcomer_makes_lighter_takes_what_it_passed() -> None:
     """With more ring traffic exposed than there is (``ring_exposure`` 3), a sequence whose attention hides more
     than its traffic makes its group lighter: the single-rank dealing then looks again at sequences it had passed
     as too long (here: 2,000 tokens join first, after which 2,300 fit)."""
+    from lightning_hydra.planner.dealing import _place_single
     from lightning_hydra.planner.formation import _Tables
-    from lightning_hydra.planner.placement import _Microbatch, _place_single
+    from lightning_hydra.planner.placement import _Microbatch
 
     cost = CostModel(
         attn=1.0, linear=0.0, ring_bytes_per_token=100.0, inter_node_bandwidth=1.0, ring_exposure=3.0,

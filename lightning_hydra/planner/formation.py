@@ -41,10 +41,11 @@ from itertools import chain
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
+from lightning_hydra.planner.dealing import _place_single
 from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
 from lightning_hydra.planner.layout import layout
 from lightning_hydra.planner.order import descending_order, descending_order_of_two, stable_argsort
-from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi, _place_single
+from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
 

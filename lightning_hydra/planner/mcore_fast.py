@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lightning_hydra.planner import compiled
 from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish, groups_of
 from lightning_hydra.planner.plan import Group, Plan
@@ -85,8 +86,16 @@ class _Batch:
         """Index of the smallest size each sequence may take."""
         self.allowed = np.arange(len(sizes))[None, :] >= np.asarray(self.klo, dtype=np.int64)[:, None]
         """Whether a sequence may take a size ``[position, size]``."""
-        self.shorter: list[int] = np.searchsorted(-lens, -lens, side="right").tolist()
+        self.shorter_arr = np.searchsorted(-lens, -lens, side="right")
         """First position of a shorter sequence after each position."""
+        self.shorter: list[int] = self.shorter_arr.tolist()
+        """The same, as Python ints."""
+        self.lens_arr = lens
+        """Length at each position, as an array (the compiled placement reads these)."""
+        self.klo_arr = np.asarray(self.klo, dtype=np.int64)
+        """Index of the smallest size each sequence may take, as an array."""
+        self.size_arr = size_arr
+        """The allowed sizes, as an array."""
 
 
 def _one_microbatch(
@@ -95,6 +104,8 @@ def _one_microbatch(
     """Form one microbatch from the waiting positions ``pend`` (ascending); return its groups ``(start, size, ids)``
     and the positions that wait (``whole``: whether the pool is a group,
     :func:`~lightning_hydra.planner.mcore._finish`)."""
+    if compiled.enabled():
+        return _compiled_microbatch(b, pend, sizes, world_size, capacity, whole)
     n = pend.size
     pos = pend.tolist()
     cap = float(b.lens[pos[0]]) * float(capacity) * (1.0 + CAP_DELTA)  # Megatron's cap on a rank's load
@@ -270,6 +281,53 @@ def _one_microbatch(
         g_size[made] = sizes[k]
         g_load[made] = c_load[k][: c_count[k]]
         g_packed[made] = c_packed[k][: c_count[k]]
+    return _close(b, pend, members, (g_size, g_load, g_packed), next_free, placed, sizes, world_size, capacity, whole)
+
+
+def _compiled_microbatch(
+    b: _Batch, pend: np.ndarray, sizes: list[int], world_size: int, capacity: int, whole: bool
+) -> tuple[list[tuple[int, int, list[int]]], np.ndarray]:
+    """:func:`_one_microbatch` by :func:`~lightning_hydra.planner.compiled.megatron_microbatch` (the same
+    groups)."""
+    n = pend.size
+    g_size, g_load, g_packed = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
+    pos_group = np.empty(n, dtype=np.int64)
+    count = compiled.megatron_microbatch(
+        pend, b.lens_arr, b.shards, b.costs, b.klo_arr, b.shorter_arr, b.size_arr, world_size, capacity, CAP_DELTA,
+        g_size, g_load, g_packed, pos_group,
+    )  # fmt: skip
+    placed = pos_group >= 0
+    at = np.flatnonzero(placed)
+    by = at[np.argsort(pos_group[at], kind="stable")]  # each group's positions in the order they joined
+    members: list[list[int]] = [[] for _ in range(count)]
+    for p, g in zip(pend[by].tolist(), pos_group[by].tolist(), strict=True):
+        members[g].append(p)
+    made = (g_size[:count], g_load[:count], g_packed[:count])
+    return _close(b, pend, members, made, int(made[0].sum()), placed, sizes, world_size, capacity, whole)
+
+
+def _close(
+    b: _Batch, pend: np.ndarray, members: list[list[int]], made: tuple[np.ndarray, np.ndarray, np.ndarray],
+    next_free: int, placed: np.ndarray, sizes: list[int], world_size: int, capacity: int, whole: bool,
+) -> tuple[list[tuple[int, int, list[int]]], np.ndarray]:  # fmt: skip
+    """The microbatch's groups ``(start, size, ids)`` once its sequences are placed, and the positions that wait:
+    the empty ranks filled as the baseline fills them (:func:`_fill`, or the baseline's own code where that cannot
+    fill them).
+
+    Args:
+        b: The batch's figures.
+        pend: The waiting positions the microbatch was formed from.
+        members: Each group's positions, in creation order.
+        made: Each group's size, load and tokens, in creation order.
+        next_free: Ranks the groups take.
+        placed: Which of ``pend`` were placed.
+        sizes: The allowed sizes.
+        world_size: Ranks in the pool.
+        capacity: Tokens a rank may hold.
+        whole: Whether the pool is a group (:func:`~lightning_hydra.planner.mcore._finish`).
+    """
+    g_size, g_load, g_packed = made
+    pos = pend.tolist()
     group_sizes = g_size.tolist()
     filled = _fill(group_sizes, sizes, world_size, next_free)
     if filled is not None:

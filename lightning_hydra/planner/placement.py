@@ -3,8 +3,7 @@
 Multi-rank sequences are placed heaviest first, each into the most loaded group within the level that has room
 (best fit) or a new group of its own class; runs that can only open groups of their own are opened in bulk, with
 exactly the groups the one-by-one placement would open, and runs that certainly find no place wait in bulk.
-Single-rank sequences are then dealt in vectorised rounds: every group takes the longest remaining sequence that
-fits its slack, its token room and the kernel tile.
+Single-rank sequences are then dealt to every group (:mod:`~lightning_hydra.planner.dealing`).
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lightning_hydra.planner import compiled
 from lightning_hydra.planner.cost import CostModel
-from lightning_hydra.planner.degrees import shard_tokens
-from lightning_hydra.planner.order import descending_order, is_descending
 
 if TYPE_CHECKING:
     from lightning_hydra.planner.formation import DegreeSet, _Tables
@@ -28,9 +26,6 @@ REACH = 2
 """Classes above its own a multi-rank sequence may join (a larger group with room within the level)."""
 _FIT_SCAN = 16
 """Groups looked at below the best fit for one with token room."""
-_ROUNDS = 64
-"""Rounds of the single-rank dealing (a round gives one sequence to each open group) before the rest is dealt in
-blocks (:func:`_deal_block`)."""
 _GIVE_UP = 64
 """Consecutive multi-rank sequences that find no place before the rest waits for the next microbatch."""
 _RUN = 256
@@ -41,9 +36,6 @@ _MISS_RUN = 64
 """Sequences looked at for runs of misses (:func:`_certain_misses`) at a time (0: never look)."""
 _LOOK_AFTER = 2
 """Consecutive misses placed one by one before a look for runs of misses (a look costs about five of them)."""
-_ROUNDING = 1e-9
-"""Relative allowance on the closed-form longest sequence within a group's slack (its rounding; the exact check
-decides)."""
 _BIG = 1 << 62
 """A group number above any (the upper end of a bisection over ``(load, group)`` pairs)."""
 
@@ -241,6 +233,8 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
     own_a = base_a[:, 0] + exposure * np.maximum(net_a[:, 0], 0.0) + fixed_a[k_arr]
     need_size = np.asarray(sizes, dtype=np.int64)[k_arr]
     multi_a = tab.multi[seqs]
+    if compiled.enabled():
+        return _compiled_multi(mb, seqs, k_arr, shards_a, base_a, net_a, own_a, need_size, target, last)
     k_l, seqs_l = k_arr.tolist(), seqs.tolist()
     ordered, held, load, bsum, nsum = mb.ordered, mb.held, mb.load, mb.bsum, mb.nsum
     wait: list[int] = []
@@ -343,198 +337,28 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
     return wait
 
 
-def _place_single(
-    mb: _Microbatch, cost: CostModel, lens: np.ndarray, seqs: np.ndarray, target: float, last: bool
-) -> np.ndarray:
-    """Deal single-rank-class sequences to every group in vectorised rounds; return those that wait.
-
-    Each round, every open group takes the heaviest remaining sequence that fits its slack (under the level), its
-    token room and, on a multi-rank group, the kernel tile (a sequence is split no finer than ``min_chunk_tokens``
-    per rank): groups with the most room take the heaviest sequences, and among equal room the least loaded
-    first, so that while everything fits a round is a round of longest-processing-time-first. Collisions (two
-    groups wanting the same sequence) resolve in one pass: the ``i``-th group takes the first free sequence at or
-    after its own candidate. A pair the exact bin time rejects moves that group past the sequence. Rounds end when
-    no group can take anything; the last microbatch has no level and takes what any group has room for.
-    """
-    ds = mb.ds
-    free = mb.free
-    mb.free = 0
-    gk = np.concatenate([np.asarray(mb.gk, dtype=np.int64), np.zeros(free, dtype=np.int64)])
-    load = np.concatenate([np.asarray(mb.load), np.zeros(free)])
-    mb.classes, mb.loads = gk, load
-    if gk.size == 0 or seqs.size == 0:
-        return seqs
-    bsum = np.concatenate([np.asarray(mb.bsum), np.zeros(free)])
-    nsum = np.concatenate([np.asarray(mb.nsum), np.zeros(free)])
-    held = np.concatenate([np.asarray(mb.held, dtype=np.int64), np.zeros(free, dtype=np.int64)])
-    size, ulysses, ring = ds.sizes[gk], ds.ulysses[gk], ds.ring[gk]
-    fixed = mb.tab.fixed[gk]
-    exposure = cost.ring_exposure
-    # sequences longest first, with their parts and shard at class 0 (their memory minimum: every sequence dealt
-    # here has it), so that pairs with a class-0 group are read, not computed
-    s_seq, s_len = seqs, lens[seqs]
-    if not is_descending(s_len):
-        order = descending_order(s_len)
-        s_seq, s_len = seqs[order], s_len[order]
-    base0, net0, shard0 = mb.tab.base_min, mb.tab.net_min, mb.tab.shard_min  # read at ``s_seq[pos]``
-    wide_group = gk > 0
-    any_wide = bool(wide_group.any())
-    neg_all = -s_len.astype(np.float64)  # every bound below is a float: compare in one dtype
-    limit = np.inf if last else target
-    tile = 0.0 if last else max(cost.min_chunk_tokens, 1.0)
-    tiles = np.where(ds.sizes == 1, np.inf, -(ds.sizes * tile))  # per class: its shortest sequence, negated
-    cap = mb.cap
-    taken = np.zeros(s_seq.size, dtype=bool)
-    lo = np.zeros(gk.size, dtype=np.int64)  # per group: first position (in ``s_seq``) it may still take
-    assign = np.full(s_seq.size, -1, dtype=np.int64)
-
-    def fit(g: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Parts, shard, load after and whether sequence ``pos`` fits group ``g`` (element-wise)."""
-        at = s_seq[pos]
-        b, n, shard = base0[at], net0[at], shard0[at]
-        wide = np.flatnonzero(wide_group[g]) if any_wide else ()
-        if len(wide):
-            gw, lw = g[wide], s_len[pos[wide]]
-            b[wide], n[wide] = cost.pair_parts(lw, ulysses[gw], ring[gw])
-            shard[wide] = shard_tokens(lw, size[gw])
-        after = bsum[g] + b + exposure * np.maximum(nsum[g] + n, 0.0) + fixed[g]
-        return b, n, shard, after, (after <= limit) & (held[g] + shard <= cap)
-
-    quad, per_token = mb.tab.quad[gk], mb.tab.per_token[gk]
-    act = np.arange(gk.size)  # groups that may still take a sequence: one that cannot now never can (see below)
-    head = 0  # sequences before this position (in ``s_seq``) no group can take any more
-    # the sequences still to deal from ``head`` on (positions in ``s_seq``) and their negated lengths, kept round to
-    # round: the taken ones leave, the ones before ``head`` are cut off; all come back when a group got lighter
-    rem, neg_len, lighter = np.arange(s_seq.size), neg_all, False
-    for _ in range(_ROUNDS):
-        if lighter:
-            rem = np.flatnonzero(~taken)
-            neg_len, lighter = neg_all[rem], False
-        elif head:
-            cut = int(np.searchsorted(rem, head))
-            rem, neg_len = rem[cut:], neg_len[cut:]
-        if rem.size == 0:
-            break
-        # the first sequence each group can still take: within its slack (exact for one rank, the longest the
-        # quadratic part allows for more) and its token room, and past any sequence the exact check refused. A
-        # group's room and what remains only shrink and the refusal mark only moves on, so a group that can take
-        # nothing leaves ``act`` for good (its state is frozen from then on); slack shrinks too unless a newcomer's
-        # net ring time is negative, which lowers a load: the sequences before the first any group can take are
-        # passed (``head``) until that happens
-        longest = 2 * size[act] * ((cap - held[act]) // 2)  # the token room
-        if not last:
-            slack = limit - _carried(load[act], held[act], fixed[act])
-            # the closed form rounds: a sequence whose time fills the slack exactly (the level set by the tallest
-            # sequence, alone on a rank) came out a token too long and waited for the last microbatch; a length a
-            # hair too generous is caught by the exact check below
-            longest = np.minimum(longest, cost.longest_under(slack, quad[act], per_token[act]) * (1 + _ROUNDING))
-        first = np.searchsorted(neg_len, -longest, "left")
-        refused = np.flatnonzero(lo[act])
-        if refused.size:
-            first[refused] = np.maximum(first[refused], np.searchsorted(rem, lo[act[refused]], "left"))
-        # the tile: a group of ``d`` ranks takes nothing shorter than ``d`` tiles (per class, then per group)
-        stop = np.searchsorted(neg_len, tiles, "right")[gk[act]]
-        open_ = first < stop
-        act, first, stop = act[open_], first[open_], stop[open_]
-        if act.size == 0:
-            break
-        head = int(rem[first.min()])
-        by = np.lexsort((_carried(load[act], held[act], fixed[act]), first))
-        rank = np.arange(act.size)
-        idx = rank + np.maximum.accumulate(first[by] - rank)
-        stop_g = stop[by]
-        keep = idx < stop_g
-        if not keep.all():
-            by, idx, stop_g = by[keep], idx[keep], stop_g[keep]
-        g, pos = act[by], rem[idx]
-        if g.size == 0:
-            break
-        b, n, shard, after, ok = fit(g, pos)
-        if not ok.all():  # the estimate was optimistic: bisect each such group to the first sequence it takes
-            bad = ~ok
-            gb, left, right = g[bad], idx[bad] + 1, stop_g[bad]
-            stop_b = right.copy()
-            while (left < right).any():
-                mid = (left + right) // 2
-                inside = left < right
-                good = np.zeros(gb.size, dtype=bool)
-                good[inside] = fit(gb[inside], rem[mid[inside]])[4]
-                right = np.where(inside & good, mid, right)
-                left = np.where(inside & ~good, mid + 1, left)
-            lo[gb] = np.where(left < stop_b, rem[np.minimum(left, rem.size - 1)], s_seq.size)
-            g, pos, b, n, shard, after, idx = g[ok], pos[ok], b[ok], n[ok], shard[ok], after[ok], idx[ok]
-        bsum[g] += b
-        nsum[g] += n
-        held[g] += shard
-        if (after < load[g]).any():  # a newcomer's hidden ring traffic made a group lighter: it may now take
-            head, lighter = 0, True  # sequences passed for good above (``act`` stays: a group it left took nothing)
-        else:
-            left_in = np.ones(rem.size, dtype=bool)
-            left_in[idx] = False
-            rem, neg_len = rem[left_in], neg_len[left_in]
-        load[g] = after
-        taken[pos] = True
-        assign[pos] = g
-    else:  # many short sequences per group: deal the rest in blocks, several per group at once
-        state = (bsum, nsum, held, load)
-        while _deal_block(cost, s_len, taken, assign, state, size, ulysses, ring, fixed, limit, tile, cap):
-            pass
-    placed = np.flatnonzero(assign >= 0)
-    mb.single_seq, mb.single_gid = s_seq[placed], assign[placed]
-    return s_seq[~taken]
-
-
-def _carried(load: np.ndarray, held: np.ndarray, fixed: np.ndarray) -> np.ndarray:
-    """The load each group carries once it holds a sequence: its load (which holds the microbatch's fixed cost), or,
-    while it is still empty (no tokens held), the fixed cost its first sequence brings."""
-    return np.where(held > 0, load, fixed)
-
-
-def _deal_block(
-    cost: CostModel, s_len: np.ndarray, taken: np.ndarray, assign: np.ndarray, state: tuple[np.ndarray, ...],
-    size: np.ndarray, ulysses: np.ndarray, ring: np.ndarray, fixed: np.ndarray, limit: float, tile: float, cap: int,
-) -> bool:  # fmt: skip
-    """One block of the dealing once its rounds are spent (more than :data:`_ROUNDS` sequences per group): the
-    remaining sequences (longest first) go round-robin to the groups, least loaded first, as many per group as there
-    are sequences per group left; each group keeps the longest prefix of its share that fits its level, token room
-    and tile. Updates ``state`` (per-group base sum, net sum, tokens, load) in place; returns whether anything was
-    placed."""
-    bsum, nsum, held, load = state
-    rem = np.flatnonzero(~taken)
-    carried = _carried(load, held, fixed)
-    groups = np.flatnonzero((carried < limit) & (held < cap))
-    if rem.size == 0 or groups.size == 0:
-        return False
-    groups = groups[np.argsort(carried[groups], kind="stable")]
-    per = -(-rem.size // groups.size)
-    slot = np.arange(min(rem.size, per * groups.size))
-    g = groups[slot % groups.size]
-    pos = rem[slot]
-    b, n = cost.pair_parts(s_len[pos], ulysses[g], ring[g])
-    shard = shard_tokens(s_len[pos], size[g])
-    # per group, its share in dealing order: running sums give the load and tokens after each sequence
-    by = np.lexsort((slot, g))
-    g, pos, b, n, shard = g[by], pos[by], b[by], n[by], shard[by]
-    start = np.r_[0, np.flatnonzero(g[1:] != g[:-1]) + 1]
-    share = np.repeat(np.arange(start.size), np.diff(np.r_[start, g.size]))  # which group's share each entry is in
-
-    def running(x: np.ndarray) -> np.ndarray:
-        total = np.cumsum(x)
-        return total - np.r_[0, total][start[share]]
-
-    after = bsum[g] + running(b) + cost.ring_exposure * np.maximum(nsum[g] + running(n), 0.0) + fixed[g]
-    fits = (after <= limit) & (held[g] + running(shard) <= cap) & ((size[g] == 1) | (s_len[pos] >= size[g] * tile))
-    # keep each group's longest fitting prefix
-    bad = np.where(fits, g.size, np.arange(g.size))
-    ok = np.arange(g.size) < np.minimum.reduceat(bad, start)[share]
-    if not ok.any():
-        return False
-    g, pos, b, n, shard = g[ok], pos[ok], b[ok], n[ok], shard[ok]
-    np.add.at(bsum, g, b)
-    np.add.at(nsum, g, n)
-    np.add.at(held, g, shard)
-    touched = np.unique(g)
-    load[touched] = bsum[touched] + cost.ring_exposure * np.maximum(nsum[touched], 0.0) + fixed[touched]
-    taken[pos] = True
-    assign[pos] = g
-    return True
+def _compiled_multi(
+    mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, shards_a: np.ndarray, base_a: np.ndarray,
+    net_a: np.ndarray, own_a: np.ndarray, need_size: np.ndarray, target: float, last: bool,
+) -> list[int]:  # fmt: skip
+    """:func:`_place_multi` by :func:`~lightning_hydra.planner.compiled.place_multi` (the same groups) into the
+    empty microbatch ``mb``; the per-sequence arrays as :func:`_place_multi` reads them."""
+    if mb.gk:
+        raise ValueError("the compiled placement starts from a microbatch without groups")
+    tab, n = mb.tab, seqs.size
+    g_class, g_held = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    g_load, g_bsum, g_nsum = np.empty(n), np.empty(n), np.empty(n)
+    seq_group = np.empty(n, dtype=np.int64)
+    count, mb.free = compiled.place_multi(
+        k_arr, seqs, shards_a, base_a, net_a, own_a, need_size, tab.cost, tab.base, tab.net, tab.shards, tab.fixed,
+        mb.ds.sizes, float(target), bool(last), int(mb.cap), float(mb.exposure), int(mb.free), _GIVE_UP, _FIT_SCAN,
+        REACH, g_class, g_load, g_bsum, g_nsum, g_held, seq_group,
+    )  # fmt: skip
+    mb.gk, mb.load, mb.bsum = g_class[:count].tolist(), g_load[:count].tolist(), g_bsum[:count].tolist()
+    mb.nsum, mb.held = g_nsum[:count].tolist(), g_held[:count].tolist()
+    placed = np.flatnonzero(seq_group >= 0)
+    by = placed[np.argsort(seq_group[placed], kind="stable")]  # each group's sequences in the order they came
+    mb.members = [[] for _ in range(count)]
+    for t, g in zip(tab.multi[seqs[by]].tolist(), seq_group[by].tolist(), strict=True):
+        mb.members[g].append(t)
+    return seqs[seq_group < 0].tolist()
