@@ -41,10 +41,14 @@ ROUNDING = 1e-9
 decides): the deal's, compiled and vectorised."""
 
 _KERNELS = (
-    "pair_parts", "longest_under", "_left", "_right", "_order", "_fit", "deal_rounds", "_count_at_most", "_insert",
-    "_remove", "place_multi", "_add_group", "_add_to", "megatron_microbatch",
+    "pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_merge_sort", "_order", "_fit",
+    "deal_rounds",
+    "_count_at_most", "_insert", "_remove", "place_multi", "_add_group", "_add_to", "megatron_microbatch",
 )  # fmt: skip
 """This module's functions Numba compiles, callees first."""
+_INLINE = ("pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_fit", "_count_at_most")
+"""The small ones, compiled into their callers (a call passing a dozen arrays cost more than the work: the deal's
+rounds took 0.8x the time inlined)."""
 
 _compiled: list[bool] = []
 """``[True]`` once :func:`_compile` has bound this module's kernels to their compiled versions."""
@@ -68,13 +72,14 @@ def enabled() -> bool:
 
 def _compile() -> None:
     """Bind every kernel of :data:`_KERNELS` to ``numba.njit`` of itself (cached on disk; IEEE division: ``x / 0``
-    is ``inf``, as in NumPy). The kernels call one another through this module's names, which Numba reads when a
-    kernel is first called, after this has bound them all."""
+    is ``inf``, as in NumPy; :data:`_INLINE` inlined). The kernels call one another through this module's names,
+    which Numba reads when a kernel is first called, after this has bound them all."""
     import numba
 
     namespace = globals()
     for name in _KERNELS:
-        namespace[name] = numba.njit(cache=True, error_model="numpy")(namespace[name])
+        inline = "always" if name in _INLINE else "never"
+        namespace[name] = numba.njit(cache=True, error_model="numpy", inline=inline)(namespace[name])
     _compiled.append(True)
 
 
@@ -147,19 +152,48 @@ def _right(a: np.ndarray, n: int, x: float) -> int:
     return lo
 
 
-def _order(first: np.ndarray, carried: np.ndarray, n: int, out: np.ndarray, work: np.ndarray) -> None:
-    """``out[:n] = np.lexsort((carried[:n], first[:n]))``: a stable bottom-up merge sort of the indices by
-    ``(first, carried)``."""
-    for i in range(n):
-        out[i] = i
+def _order(
+    first: np.ndarray, carried: np.ndarray, n: int, out: np.ndarray, work: np.ndarray, count: np.ndarray
+) -> None:
+    """``out[:n] = np.lexsort((carried[:n], first[:n]))``: a counting sort of the indices by ``first`` (stable), then
+    a stable merge sort by ``carried`` of each run of equal ``first`` (``count``: zeros, longer than the largest
+    ``first``; left zero). Few indices are merge-sorted whole."""
+    if n < 64:
+        for i in range(n):
+            out[i] = i
+        _merge_sort(first, carried, out, work, 0, n)
+        return
+    low, high = first[0], first[0]
+    for a in range(n):
+        low, high = min(low, first[a]), max(high, first[a])
+    for a in range(n):
+        count[first[a] - low + 1] += 1
+    for v in range(1, high - low + 2):
+        count[v] += count[v - 1]
+    for a in range(n):
+        v = first[a] - low
+        out[count[v]] = a
+        count[v] += 1
+    count[: high - low + 2] = 0
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or first[out[i]] != first[out[start]]:
+            if i - start > 1:
+                _merge_sort(first, carried, out, work, start, i)
+            start = i
+
+
+def _merge_sort(first: np.ndarray, carried: np.ndarray, out: np.ndarray, work: np.ndarray, lo: int, hi: int) -> None:
+    """Sort ``out[lo:hi]`` by ``(first, carried)`` of its entries, stably (bottom-up merges through ``work``)."""
+    n = hi - lo
     width = 1
-    src, dst = out, work
-    in_work = False  # whether the sorted run is in ``work``
+    in_work = False  # whether the sorted runs are in ``work``
     while width < n:
-        for lo in range(0, n, 2 * width):
-            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
-            i, j, k = lo, mid, lo
-            while i < mid and j < hi:
+        src, dst = (work, out) if in_work else (out, work)
+        for left in range(lo, hi, 2 * width):
+            mid, right = min(left + width, hi), min(left + 2 * width, hi)
+            i, j, k = left, mid, left
+            while i < mid and j < right:
                 a, b = src[i], src[j]
                 if first[b] < first[a] or (first[b] == first[a] and carried[b] < carried[a]):
                     dst[k] = b
@@ -172,15 +206,14 @@ def _order(first: np.ndarray, carried: np.ndarray, n: int, out: np.ndarray, work
                 dst[k] = src[i]
                 i += 1
                 k += 1
-            while j < hi:
+            while j < right:
                 dst[k] = src[j]
                 j += 1
                 k += 1
-        src, dst = dst, src
         in_work = not in_work
         width *= 2
     if in_work:
-        out[:n] = work[:n]
+        out[lo:hi] = work[lo:hi]
 
 
 def _fit(
@@ -201,6 +234,18 @@ def _fit(
     return b, n, shard, after, (after <= limit) and (held[g] + shard <= cap)
 
 
+def _untaken(nxt: np.ndarray, taken: np.ndarray, p: int) -> int:
+    """The first position at or after ``p`` not taken (``taken.size`` where none): ``nxt`` links each taken position
+    towards the next one that may not be (path halving keeps the links short)."""
+    n = taken.size
+    while p < n and taken[p]:
+        q = nxt[p]
+        if q < n and taken[q]:
+            nxt[p] = nxt[q]
+        p = q
+    return p
+
+
 def deal_rounds(
     s_seq: np.ndarray, s_len: np.ndarray, base0: np.ndarray, net0: np.ndarray, shard0: np.ndarray, gk: np.ndarray,
     load: np.ndarray, bsum: np.ndarray, nsum: np.ndarray, held: np.ndarray, size: np.ndarray, ulysses: np.ndarray,
@@ -211,6 +256,11 @@ def deal_rounds(
     them; updates the groups' ``load``, ``bsum``, ``nsum`` and ``held`` and the positions' ``taken`` and ``assign``
     in place. Returns whether every round ran (the caller then deals the rest in blocks).
 
+    The vectorised rounds keep the positions still to deal as an array they compact every round; here they are
+    every position from ``start`` on that is not taken, read through links to the next untaken one, and positions
+    are compared as they are (the array is in position order: its indices and its positions order the same). Only
+    a group whose closed-form estimate was optimistic bisects over that array's indices, and it is built for it.
+
     Args mirror the vectorised rounds' names: ``s_seq``/``s_len`` the sequences longest first, ``base0``/``net0``/
     ``shard0`` their parts and shard on one rank (by sequence id), the group arrays (class ``gk``, state, degree,
     fixed cost and :meth:`~lightning_hydra.planner.cost.CostModel.length_quadratic`), ``tiles`` per class (its
@@ -219,24 +269,26 @@ def deal_rounds(
     n, n_groups = s_seq.size, gk.size
     seq_overhead = p[2]
     neg_all = -s_len.astype(np.float64)
+    nxt = np.arange(1, n + 1)  # links from taken positions onwards
     lo = np.zeros(n_groups, dtype=np.int64)  # per group: first position it may still take (0: none refused)
     act = np.arange(n_groups)
     n_act = n_groups
-    rem = np.arange(n)  # the positions still to deal from ``head`` on, and their negated lengths
-    neg_len = neg_all.copy()
-    n_rem = n
+    start = 0  # positions before it no group can take any more (the vectorised rounds' cut at ``head``)
     head = 0
     lighter = False
     first = np.empty(n_groups, dtype=np.int64)
     stop = np.empty(n_groups, dtype=np.int64)
     carried = np.empty(n_groups)
     sel_g = np.empty(n_groups, dtype=np.int64)
-    sel_idx = np.empty(n_groups, dtype=np.int64)
     sel_stop = np.empty(n_groups, dtype=np.int64)
     sel_pos = np.empty(n_groups, dtype=np.int64)
     by = np.empty(n_groups, dtype=np.int64)
     order_work = np.empty(n_groups, dtype=np.int64)
+    order_count = np.zeros(n + 2, dtype=np.int64)
     class_stop = np.empty(tiles.size, dtype=np.int64)
+    for j in range(tiles.size):  # per class, the end of the sequences at or above its tile
+        class_stop[j] = _right(neg_all, n, tiles[j])
+    rem = np.empty(n, dtype=np.int64)  # built only for a bisect
     f_b = np.empty(n_groups)
     f_n = np.empty(n_groups)
     f_shard = np.empty(n_groups, dtype=np.int64)
@@ -244,26 +296,13 @@ def deal_rounds(
     f_ok = np.empty(n_groups, dtype=np.bool_)
     for _ in range(rounds):
         if lighter:  # every sequence not taken comes back
-            m = 0
-            for i in range(n):
-                if not taken[i]:
-                    rem[m] = i
-                    neg_len[m] = neg_all[i]
-                    m += 1
-            n_rem, lighter = m, False
-        elif head:  # the sequences before ``head`` no group can take any more
-            cut = _left(rem, n_rem, head)
-            if cut:
-                for i in range(cut, n_rem):
-                    rem[i - cut] = rem[i]
-                    neg_len[i - cut] = neg_len[i]
-                n_rem -= cut
-        if n_rem == 0:
+            start, lighter = 0, False
+        elif head:
+            start = head
+        if _untaken(nxt, taken, start) >= n:
             return False
         # per group still taking: the first sequence within its slack and token room, past any it was refused, and
         # the end of those at or above its tile (per class)
-        for j in range(tiles.size):
-            class_stop[j] = _right(neg_len, n_rem, tiles[j])
         m = 0
         for a in range(n_act):
             g = act[a]
@@ -273,9 +312,9 @@ def deal_rounds(
                 bound = longest_under(limit - c, quad[g], per_token[g], seq_overhead) * (1 + ROUNDING)
                 if bound < longest:
                     longest = bound
-            f = _left(neg_len, n_rem, -longest)
-            if lo[g] != 0:
-                f = max(f, _left(rem, n_rem, lo[g]))
+            f = _untaken(nxt, taken, max(start, _left(neg_all, n, -longest)))
+            if lo[g] != 0 and lo[g] > f:
+                f = _untaken(nxt, taken, lo[g])
             s = class_stop[gk[g]]
             if f < s:
                 act[m], first[m], stop[m], carried[m] = g, f, s, c
@@ -286,39 +325,47 @@ def deal_rounds(
         low = first[0]
         for a in range(1, n_act):
             low = min(low, first[a])
-        head = rem[low]
-        # groups by first sequence, then by load carried, then in order; each takes the first free position at or
-        # after its own (the vectorised ``rank + maximum.accumulate(first - rank)``)
-        _order(first, carried, n_act, by, order_work)
+        head = low
+        # groups by first sequence, then by load carried, then in order; each takes the first untaken position at or
+        # after its own, past the one the group before took (the vectorised ``rank + maximum.accumulate(...)``)
+        _order(first, carried, n_act, by, order_work, order_count)
         k, prev = 0, -1
         for a in range(n_act):
             b = by[a]
-            idx = max(first[b], prev + 1)
-            prev = idx
-            if idx < stop[b]:
-                sel_g[k], sel_idx[k], sel_stop[k] = act[b], idx, stop[b]
+            at = first[b] if first[b] > prev else _untaken(nxt, taken, prev + 1)
+            prev = at
+            if at < stop[b]:
+                sel_g[k], sel_pos[k], sel_stop[k] = act[b], at, stop[b]
                 k += 1
         if k == 0:
             return False
+        bad = False
         for t in range(k):
-            sel_pos[t] = rem[sel_idx[t]]
             f_b[t], f_n[t], f_shard[t], f_after[t], f_ok[t] = _fit(
-                sel_g[t], sel_pos[t], s_seq, s_len, base0, net0, shard0, gk, bsum, nsum, held, fixed, size,
-                ulysses, ring, limit, cap, exposure, p,
+                sel_g[t], sel_pos[t], s_seq, s_len, base0, net0, shard0, gk, bsum, nsum, held, fixed, size, ulysses,
+                ring, limit, cap, exposure, p,
             )  # fmt: skip
-        for t in range(k):  # the estimate was optimistic: bisect to the first sequence the group takes
-            if f_ok[t]:
-                continue
-            g = sel_g[t]
-            left, right = sel_idx[t] + 1, sel_stop[t]
-            while left < right:
-                mid = (left + right) // 2
-                if _fit(g, rem[mid], s_seq, s_len, base0, net0, shard0, gk, bsum, nsum, held, fixed, size, ulysses,
-                        ring, limit, cap, exposure, p)[4]:  # fmt: skip
-                    right = mid
-                else:
-                    left = mid + 1
-            lo[g] = rem[min(left, n_rem - 1)] if left < sel_stop[t] else n
+            bad = bad or not f_ok[t]
+        if bad:  # the estimate was optimistic: bisect (over the positions still to deal) to the first it takes
+            n_rem, q = 0, _untaken(nxt, taken, start)
+            while q < n:
+                rem[n_rem] = q
+                n_rem += 1
+                q = _untaken(nxt, taken, q + 1)
+            for t in range(k):
+                if f_ok[t]:
+                    continue
+                g = sel_g[t]
+                left, right = _left_int(rem, n_rem, sel_pos[t]) + 1, _left_int(rem, n_rem, sel_stop[t])
+                end = right
+                while left < right:
+                    mid = (left + right) // 2
+                    if _fit(g, rem[mid], s_seq, s_len, base0, net0, shard0, gk, bsum, nsum, held, fixed, size,
+                            ulysses, ring, limit, cap, exposure, p)[4]:  # fmt: skip
+                        right = mid
+                    else:
+                        left = mid + 1
+                lo[g] = rem[min(left, n_rem - 1)] if left < end else n
         for t in range(k):
             if f_ok[t]:
                 g = sel_g[t]
@@ -329,24 +376,24 @@ def deal_rounds(
                     lighter = True
         if lighter:
             head = 0
-        else:  # the taken positions leave (``sel_idx`` ascends: each group took past the one before)
-            w, t = 0, 0
-            for i in range(n_rem):
-                while t < k and (not f_ok[t] or sel_idx[t] < i):
-                    t += 1
-                if t < k and sel_idx[t] == i:
-                    t += 1
-                    continue
-                rem[w] = rem[i]
-                neg_len[w] = neg_len[i]
-                w += 1
-            n_rem = w
         for t in range(k):
             if f_ok[t]:
                 load[sel_g[t]] = f_after[t]
                 taken[sel_pos[t]] = True
                 assign[sel_pos[t]] = sel_g[t]
     return True
+
+
+def _left_int(a: np.ndarray, n: int, x: int) -> int:
+    """``np.searchsorted(a[:n], x, "left")`` of integers."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if a[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _count_at_most(keys: np.ndarray, n: int, x: float) -> int:
