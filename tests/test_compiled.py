@@ -131,7 +131,8 @@ def test_the_compiled_multi_rank_placement_is_the_numpy_one_on_drawn_microbatche
         monkeypatch.setenv(compiled.ENV, "1" if on else "0")
         mb = placement._Microbatch(tab, ds, cost.replace(ring_exposure=float(tab.exposure)), world, 100)
         wait = placement._place_multi(mb, np.arange(kdeg.size), kdeg, target, last)
-        return wait, [list(m) for m in mb.members], list(mb.gk), list(mb.load), list(mb.held), mb.free
+        seq, gid = mb.member_arrays()
+        return wait, seq.tolist(), gid.tolist(), list(mb.gk), list(mb.load), list(mb.held), mb.free
 
     for case in range(400):
         n = int(rng.integers(1, 400))

@@ -139,6 +139,17 @@ def test_static_uses_one_degree_sized_by_the_longest_allowed(cost: CostModel) ->
     assert {g.degree for groups in plan.microbatches for g in groups} == {8}
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each placement a test runs: the compiled kernels (where Numba is installed) and the NumPy code."""
+    from lightning_hydra.planner import compiled
+
+    if request.param == "compiled" and not compiled.installed():
+        pytest.skip("Numba is not installed (the 'fast' extra)")
+    monkeypatch.setenv(compiled.ENV, "1" if request.param == "compiled" else "0")
+    return request.param
+
+
 def _request(lengths: np.ndarray, cost: CostModel, world: int, capacity: int, microbatches: int) -> PlanRequest:
     return PlanRequest(
         lengths=np.asarray(lengths, dtype=np.int64),
@@ -350,7 +361,7 @@ def test_hydra_never_predicted_worse_than_mcore_or_static(context: int, capacity
      (128, 32768, 4096, "stdlib"), (256, 262144, 16384, "lognormal")],
 )  # fmt: skip
 def test_mcore_fast_is_megatrons_placement(
-    world: int, context: int, capacity: int, distribution: str, cost: CostModel
+    world: int, context: int, capacity: int, distribution: str, cost: CostModel, kernels: str
 ) -> None:
     """hydra's Megatron candidate (without whole-pool scans) makes exactly the baseline's plan."""
     from lightning_hydra.planner.mcore import schedule_mcore
@@ -364,7 +375,7 @@ def test_mcore_fast_is_megatrons_placement(
         assert schedule_mcore_fast(req).microbatches == schedule_mcore(req).microbatches, seed
 
 
-def test_mcore_fast_is_megatrons_placement_where_tokens_bind(cost: CostModel) -> None:
+def test_mcore_fast_is_megatrons_placement_where_tokens_bind(cost: CostModel, kernels: str) -> None:
     """A batch of thousands of sequences, many of equal length, planned into microbatches whose tokens bind: most
     waiting sequences fit nowhere at some point (the fast placement skips runs of equal lengths and finds the next
     that fits by its check for room), and the plan is exactly the baseline's."""
@@ -378,7 +389,9 @@ def test_mcore_fast_is_megatrons_placement_where_tokens_bind(cost: CostModel) ->
 
 
 @pytest.mark.parametrize("world", [5, 6, 7, 12, 24])
-def test_mcore_fast_is_megatrons_placement_in_pools_that_are_not_a_power_of_two(world: int, cost: CostModel) -> None:
+def test_mcore_fast_is_megatrons_placement_in_pools_that_are_not_a_power_of_two(
+    world: int, cost: CostModel, kernels: str
+) -> None:
     """Where the baseline's fill cannot double a group inside the pool (it then makes one group of the whole pool),
     the fast placement makes the same plan."""
     from lightning_hydra.planner.mcore import schedule_mcore
@@ -549,8 +562,9 @@ def test_bulk_openings_make_the_one_by_one_placement(
     """Runs of multi-rank sequences opened in bulk, and runs of misses waiting in bulk, give exactly the plan of
     placing them one by one (at 32K a run that opened every sequence the free ranks hold would change both batches'
     plans; so would runs of misses that ignored the free ranks, or that did not count towards giving up)."""
-    from lightning_hydra.planner import placement
+    from lightning_hydra.planner import compiled, placement
 
+    monkeypatch.setenv(compiled.ENV, "0")  # the NumPy placement's bulk shortcuts (the compiled one has none)
     for distribution in ("lognormal", "pareto"):
         lengths = make_batch(
             distribution, world_size=world, capacity=capacity, num_microbatches=8, fill=0.75, context=context, seed=5
@@ -583,8 +597,9 @@ def test_groups_that_open_or_lighten_end_a_run_of_misses(
     is placed as one by one (classes of 1, 2 and 4 ranks, level 10, no fixed cost, capacity 100)."""
     from types import SimpleNamespace
 
-    from lightning_hydra.planner import placement
+    from lightning_hydra.planner import compiled, placement
 
+    monkeypatch.setenv(compiled.ENV, "0")  # the NumPy placement's look for misses (the compiled one has none)
     n = len(kdeg)
     shards = np.ones((3, n), dtype=np.int64)
     shards[0, -1] = 200  # the last sequence does not fit one rank

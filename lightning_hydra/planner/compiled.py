@@ -21,6 +21,7 @@ where the package is read-only) holds them from an earlier process.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -30,7 +31,7 @@ from lightning_hydra.planner.cost import CostModel
 
 __all__ = [
     "ENV", "ROUNDING", "cost_params", "deal_rounds", "enabled", "installed", "longest_under", "megatron_microbatch",
-    "pair_parts", "place_multi",
+    "merge_descending", "pair_parts", "place_multi",
 ]  # fmt: skip
 
 ENV = "LIGHTNING_HYDRA_COMPILED"
@@ -44,6 +45,7 @@ _KERNELS = (
     "pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_merge_sort", "_order", "_fit",
     "deal_rounds",
     "_count_at_most", "_insert", "_remove", "place_multi", "_add_group", "_add_to", "megatron_microbatch",
+    "merge_descending",
 )  # fmt: skip
 """This module's functions Numba compiles, callees first."""
 _INLINE = ("pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_fit", "_count_at_most")
@@ -54,8 +56,9 @@ _compiled: list[bool] = []
 """``[True]`` once :func:`_compile` has bound this module's kernels to their compiled versions."""
 
 
+@functools.cache
 def installed() -> bool:
-    """Whether Numba can be imported (the ``fast`` extra)."""
+    """Whether Numba can be imported (the ``fast`` extra; looked up once)."""
     return importlib.util.find_spec("numba") is not None
 
 
@@ -679,3 +682,32 @@ def megatron_microbatch(
             g_load[c_group[k, j]] = c_load[k, j]
             g_packed[c_group[k, j]] = c_packed[k, j]
     return count
+
+
+def merge_descending(head_values: np.ndarray, head: np.ndarray, second: np.ndarray, out: np.ndarray) -> bool:
+    """:func:`~lightning_hydra.planner.order.descending_order_of_two` once ``first`` is sorted: merge the indices
+    ``head`` of ``first`` (values ``head_values``, non-increasing) with those of ``second`` (offset by
+    ``head.size``), ties first-before-second, into ``out``. Returns ``False``, ``out`` unfilled, where ``second`` is
+    not non-increasing (the caller sorts the concatenation)."""
+    n_first, n_second = head.size, second.size
+    for j in range(1, n_second):
+        if second[j] > second[j - 1]:
+            return False
+    i, j, k = 0, 0, 0
+    while i < n_first and j < n_second:
+        if head_values[i] >= second[j]:
+            out[k] = head[i]
+            i += 1
+        else:
+            out[k] = n_first + j
+            j += 1
+        k += 1
+    while i < n_first:
+        out[k] = head[i]
+        i += 1
+        k += 1
+    while j < n_second:
+        out[k] = n_first + j
+        j += 1
+        k += 1
+    return True

@@ -36,7 +36,6 @@ kept.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 
@@ -428,10 +427,9 @@ def _place(
     wait_single = _place_single(mb, req.cost, req.lengths, single, level, last)
     if not mb.classes.size:  # nothing was dealt: the groups of the multi-rank phase as they are
         mb.classes, mb.loads = np.asarray(mb.gk, dtype=np.int64), np.asarray(mb.load)
-    counts = np.fromiter(map(len, mb.members), dtype=np.int64, count=len(mb.members))
-    seq = np.concatenate([np.fromiter(chain.from_iterable(mb.members), dtype=np.int64, count=int(counts.sum())),
-                          mb.single_seq])  # fmt: skip
-    gid = np.concatenate([np.repeat(np.arange(counts.size), counts), mb.single_gid])
+    member_seq, member_gid = mb.member_arrays()
+    seq = np.concatenate([member_seq, mb.single_seq])
+    gid = np.concatenate([member_gid, mb.single_gid])
     present = np.bincount(gid, minlength=mb.classes.size) > 0  # groups without sequences are dropped (ranks idle)
     used = np.flatnonzero(present)
     gid = (np.cumsum(present) - 1)[gid]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lightning_hydra.planner import compiled
+
 __all__ = ["descending_order", "descending_order_of_two", "is_descending", "stable_argsort"]
 
 
@@ -62,6 +64,12 @@ def descending_order_of_two(first: np.ndarray, second: np.ndarray) -> np.ndarray
         second: One-dimensional array of numbers (no NaN); sorted in full if it is not non-increasing.
     """
     first, second = np.asarray(first), np.asarray(second)
+    if compiled.enabled():  # one compiled pass: the check that ``second`` is sorted and the merge
+        head = descending_order(first)
+        out = np.empty(first.size + second.size, dtype=np.int64)
+        if compiled.merge_descending(first[head], head, second, out):
+            return out
+        return descending_order(np.concatenate([first, second]))
     if not is_descending(second):
         return descending_order(np.concatenate([first, second]))
     head = descending_order(first)

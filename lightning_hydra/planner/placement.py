@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +56,9 @@ class _Microbatch:
         self.nsum: list[float] = []
         self.held: list[int] = []
         self.members: list[list[int]] = []
+        self.flat_members: tuple[np.ndarray, np.ndarray] | None = None
+        """Every group's sequences and group numbers, groups in order (:meth:`member_arrays`), where the compiled
+        placement made them instead of ``members``."""
         self.classes = np.zeros(0, dtype=np.int64)  # every group's class and load, after the single-rank deal
         self.loads = np.zeros(0)
         self.single_seq = np.zeros(0, dtype=np.int64)  # single-rank deal: sequence and group of each placement
@@ -63,6 +67,14 @@ class _Microbatch:
         self.mins = np.full(len(self.sizes), np.inf)  # per class, the smallest load of its groups (``inf``: none)
         self.heaps: dict[int, list[tuple[float, int]]] = {}  # per class, built by the first :meth:`least`
         self.parked: dict[int, list[tuple[int, int]]] = {}
+
+    def member_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The multi-rank groups' sequences, group after group in the order they joined, and each one's group."""
+        if self.flat_members is not None:
+            return self.flat_members
+        counts = np.fromiter(map(len, self.members), dtype=np.int64, count=len(self.members))
+        seq = np.fromiter(chain.from_iterable(self.members), dtype=np.int64, count=int(counts.sum()))
+        return seq, np.repeat(np.arange(counts.size), counts)
 
     def open(self, j: int, seq: int, base: float, net: float, shard: int, load: float) -> None:
         """A new group of class ``j`` on free ranks, holding ``seq`` (its load computed by the caller)."""
@@ -358,7 +370,5 @@ def _compiled_multi(
     mb.nsum, mb.held = g_nsum[:count].tolist(), g_held[:count].tolist()
     placed = np.flatnonzero(seq_group >= 0)
     by = placed[np.argsort(seq_group[placed], kind="stable")]  # each group's sequences in the order they came
-    mb.members = [[] for _ in range(count)]
-    for t, g in zip(tab.multi[seqs[by]].tolist(), seq_group[by].tolist(), strict=True):
-        mb.members[g].append(t)
+    mb.flat_members = (tab.multi[seqs[by]], seq_group[by])
     return seqs[seq_group < 0].tolist()
