@@ -44,11 +44,15 @@ decides): the deal's, compiled and vectorised."""
 _KERNELS = (
     "pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_merge_sort", "_order", "_fit",
     "deal_rounds",
-    "_count_at_most", "_insert", "_remove", "place_multi", "_add_group", "_add_to", "megatron_microbatch",
+    "_count_at_most", "_insert", "_remove", "place_multi", "_mcost", "_mshard", "_add_group", "_add_to",
+    "megatron_microbatch",
     "merge_descending",
 )  # fmt: skip
 """This module's functions Numba compiles, callees first."""
-_INLINE = ("pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_fit", "_count_at_most")
+_INLINE = (
+    "pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_fit", "_count_at_most", "_mcost",
+    "_mshard",
+)  # fmt: skip
 """The small ones, compiled into their callers (a call passing a dozen arrays cost more than the work: the deal's
 rounds took 0.8x the time inlined)."""
 
@@ -544,12 +548,23 @@ def place_multi(
     return count, free
 
 
+def _mcost(length: int, size: int) -> float:
+    """Megatron's load of a sequence on ``size`` ranks, ``L * L / size``, as ``_Batch.costs`` computes it (the
+    integer square, then a true division)."""
+    return float(length * length) / float(size)
+
+
+def _mshard(length: int, size: int) -> int:
+    """:func:`~lightning_hydra.planner.degrees.shard_tokens` of one sequence."""
+    return 2 * -(-length // (2 * size))
+
+
 def _add_group(
-    k: int, p: int, costs: np.ndarray, shards: np.ndarray, c_group: np.ndarray, c_load: np.ndarray,
-    c_packed: np.ndarray, c_count: np.ndarray, low_packed: np.ndarray, low_load: np.ndarray, count: int,
+    k: int, load: float, packed: int, c_group: np.ndarray, c_load: np.ndarray, c_packed: np.ndarray,
+    c_count: np.ndarray, low_packed: np.ndarray, low_load: np.ndarray, count: int,
 ) -> float:  # fmt: skip
-    """Megatron's new group of size ``k`` holding position ``p`` (number ``count``); returns its load."""
-    load, packed = costs[p, k], shards[p, k]
+    """Megatron's new group of size ``k`` (number ``count``) holding a sequence of ``load`` and ``packed`` tokens;
+    returns its load."""
     j = c_count[k]
     c_group[k, j], c_load[k, j], c_packed[k, j] = count, load, packed
     c_count[k] = j + 1
@@ -573,16 +588,17 @@ def _add_to(
 
 
 def megatron_microbatch(
-    pos: np.ndarray, lens: np.ndarray, shards: np.ndarray, costs: np.ndarray, klo: np.ndarray, shorter: np.ndarray,
-    sizes: np.ndarray, world_size: int, capacity: int, cap_delta: float, g_size: np.ndarray, g_load: np.ndarray,
-    g_packed: np.ndarray, pos_group: np.ndarray,
+    pos: np.ndarray, lens: np.ndarray, klo: np.ndarray, shorter: np.ndarray, sizes: np.ndarray, world_size: int,
+    capacity: int, cap_delta: float, g_size: np.ndarray, g_load: np.ndarray, g_packed: np.ndarray,
+    pos_group: np.ndarray,
 ) -> int:  # fmt: skip
     """The sequence-by-sequence loop of :func:`~lightning_hydra.planner.mcore_fast._one_microbatch` (Megatron's
     placement of one microbatch): the same groups, one waiting sequence at a time (a sequence that fits nowhere
     skips every one as long; the check for room that finds the next one that fits there is a shortcut of this).
 
-    ``pos`` are the waiting positions (ascending; figures per position: ``lens``, ``shards`` and ``costs``
-    ``[position, size]``, the smallest size ``klo`` and the first shorter position ``shorter``). Fills every group's
+    ``pos`` are the waiting positions (ascending; per position its length ``lens``, its smallest size ``klo`` and
+    the first shorter position ``shorter``; a sequence's shard and load at a size are computed as the NumPy tables
+    are, :func:`_mshard` and :func:`_mcost`). Fills every group's
     size, load and tokens in creation order (``g_*``) and each waiting index's group (``pos_group``, ``-1``: it
     waits). Returns the number of groups.
     """
@@ -597,30 +613,31 @@ def megatron_microbatch(
     pos_group[:] = -1
     p = pos[0]  # the longest, alone at its smallest size
     k = klo[p]
-    top = _add_group(k, p, costs, shards, c_group, c_load, c_packed, c_count, low_packed, low_load, 0)
+    top = _add_group(k, _mcost(lens[p], sizes[k]), _mshard(lens[p], sizes[k]), c_group, c_load, c_packed, c_count,
+                     low_packed, low_load, 0)  # fmt: skip
     g_size[0] = sizes[k]
     pos_group[0] = 0
     count, next_free = 1, sizes[k]
     i = 1
     while i < n:
         p = pos[i]
-        lo_k = klo[p]
+        length, lo_k = lens[p], klo[p]
         free = world_size - next_free
         new_k, add_k, add_j = -1, -1, -1
         if top <= cap:  # a candidate that leaves the maximum at ``top``, the first in Megatron's order
             kn = lo_k
-            while kn < n_sizes and costs[p, kn] > top:
+            while kn < n_sizes and _mcost(length, sizes[kn]) > top:
                 kn += 1
             if kn < n_sizes and sizes[kn] > free:
                 kn = n_sizes
             for k in range(lo_k, min(kn, n_sizes - 1) + 1):
                 if c_count[k] == 0:
                     continue
-                cost = costs[p, k]
-                if low_packed[k] > capacity - shards[p, k] or low_load[k] + cost > top:
+                cost, room = _mcost(length, sizes[k]), capacity - _mshard(length, sizes[k])
+                if low_packed[k] > room or low_load[k] + cost > top:
                     continue
                 for j in range(c_count[k]):
-                    if c_load[k, j] + cost <= top and c_packed[k, j] <= capacity - shards[p, k]:
+                    if c_load[k, j] + cost <= top and c_packed[k, j] <= room:
                         add_k, add_j = k, j
                         break
                 if add_k >= 0:
@@ -634,19 +651,19 @@ def megatron_microbatch(
             for k in range(lo_k, n_sizes):
                 if c_count[k] == 0:
                     continue
-                cost = costs[p, k]
-                if low_packed[k] <= capacity - shards[p, k] and max(top, low_load[k] + cost) <= cap:
+                cost, room = _mcost(length, sizes[k]), capacity - _mshard(length, sizes[k])
+                if low_packed[k] <= room and max(top, low_load[k] + cost) <= cap:
                     q_best, j_best = np.inf, -1
                     for j in range(c_count[k]):
                         q = max(top, c_load[k, j] + cost)
-                        if q <= cap and c_packed[k, j] <= capacity - shards[p, k] and q < q_best:
+                        if q <= cap and c_packed[k, j] <= room and q < q_best:
                             q_best, j_best = q, j
                     if j_best >= 0 and q_best < best_p:
                         best_p, best_k, best_j = q_best, k, j_best
             for k in range(lo_k, n_sizes):
                 if sizes[k] > free:
                     break
-                q = max(top, costs[p, k])
+                q = max(top, _mcost(length, sizes[k]))
                 if q <= cap and (q < best_p or (q == best_p and k < best_k)):
                     best_p, best_k, best_j = q, k, -1
             if best_k == n_sizes:  # it fits nowhere, nor does any sequence as long: on to the next shorter one
@@ -665,12 +682,12 @@ def megatron_microbatch(
             else:
                 new_k = best_k
         if add_k >= 0:
-            load = _add_to(add_k, add_j, costs[p, add_k], shards[p, add_k], c_load, c_packed, c_count, low_packed,
-                           low_load)  # fmt: skip
+            cost, shard = _mcost(length, sizes[add_k]), _mshard(length, sizes[add_k])
+            load = _add_to(add_k, add_j, cost, shard, c_load, c_packed, c_count, low_packed, low_load)
             pos_group[i] = c_group[add_k, add_j]
         else:
-            load = _add_group(new_k, p, costs, shards, c_group, c_load, c_packed, c_count, low_packed, low_load,
-                              count)  # fmt: skip
+            cost, shard = _mcost(length, sizes[new_k]), _mshard(length, sizes[new_k])
+            load = _add_group(new_k, cost, shard, c_group, c_load, c_packed, c_count, low_packed, low_load, count)
             g_size[count] = sizes[new_k]
             pos_group[i] = count
             count += 1

@@ -34,6 +34,7 @@ sequences; 2,048 ranks x 35,600 sequences: 0.33x; the two alternating in one pro
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from collections.abc import Callable
 
@@ -64,38 +65,59 @@ often near)."""
 class _Batch:
     """Every sequence's figures in Megatron's order (longest first, ties by id), computed once per plan: a
     microbatch's waiting sequences keep that order (what waits is a subsequence of what was tried), so each
-    microbatch reads them by position instead of sorting and converting the batch again."""
+    microbatch reads them by position instead of sorting and converting the batch again. The tables per size and
+    the Python lists are computed on first use: the compiled placement
+    (:func:`~lightning_hydra.planner.compiled.megatron_microbatch`) reads none of them."""
 
     def __init__(self, req: PlanRequest, sizes: list[int]) -> None:
         lengths = np.asarray(req.lengths, dtype=np.int64)
         order = np.argsort(-lengths, kind="stable")
-        lens = lengths[order]
-        size_arr = np.asarray(sizes, dtype=np.int64)
         self.ids = order
         """Sequence id at each position."""
-        self.id_list: list[int] = order.tolist()
-        """The same, as Python ints (read one at a time)."""
-        self.lens: list[int] = lens.tolist()
+        self.lens_arr = lengths[order]
         """Length at each position."""
-        self.shards = shard_tokens(lens[:, None], size_arr[None, :])
+        self.size_arr = np.asarray(sizes, dtype=np.int64)
+        """The allowed sizes."""
+        self.klo_arr = np.searchsorted(self.size_arr, _min_degrees(self.lens_arr, req.capacity))
+        """Index of the smallest size each sequence may take."""
+        self.shorter_arr = np.searchsorted(-self.lens_arr, -self.lens_arr, side="right")
+        """First position of a shorter sequence after each position."""
+
+    @functools.cached_property
+    def id_list(self) -> list[int]:
+        """:attr:`ids` as Python ints (read one at a time)."""
+        return self.ids.tolist()
+
+    @functools.cached_property
+    def lens(self) -> list[int]:
+        """:attr:`lens_arr` as Python ints."""
+        return self.lens_arr.tolist()
+
+    @functools.cached_property
+    def klo(self) -> list[int]:
+        """:attr:`klo_arr` as Python ints."""
+        return self.klo_arr.tolist()
+
+    @functools.cached_property
+    def shorter(self) -> list[int]:
+        """:attr:`shorter_arr` as Python ints."""
+        return self.shorter_arr.tolist()
+
+    @functools.cached_property
+    def shards(self) -> np.ndarray:
         """Zigzag shard ``[position, size]``."""
-        self.costs = (lens * lens)[:, None] / size_arr[None, :]
+        return shard_tokens(self.lens_arr[:, None], self.size_arr[None, :])
+
+    @functools.cached_property
+    def costs(self) -> np.ndarray:
         """Megatron's load ``L * L / size`` ``[position, size]`` (the baseline's division of the same integers: the
         same floats)."""
-        self.klo: list[int] = np.searchsorted(size_arr, _min_degrees(lens, req.capacity)).tolist()
-        """Index of the smallest size each sequence may take."""
-        self.allowed = np.arange(len(sizes))[None, :] >= np.asarray(self.klo, dtype=np.int64)[:, None]
+        return (self.lens_arr * self.lens_arr)[:, None] / self.size_arr[None, :]
+
+    @functools.cached_property
+    def allowed(self) -> np.ndarray:
         """Whether a sequence may take a size ``[position, size]``."""
-        self.shorter_arr = np.searchsorted(-lens, -lens, side="right")
-        """First position of a shorter sequence after each position."""
-        self.shorter: list[int] = self.shorter_arr.tolist()
-        """The same, as Python ints."""
-        self.lens_arr = lens
-        """Length at each position, as an array (the compiled placement reads these)."""
-        self.klo_arr = np.asarray(self.klo, dtype=np.int64)
-        """Index of the smallest size each sequence may take, as an array."""
-        self.size_arr = size_arr
-        """The allowed sizes, as an array."""
+        return np.arange(self.size_arr.size)[None, :] >= self.klo_arr[:, None]
 
 
 def _one_microbatch(
@@ -293,8 +315,8 @@ def _compiled_microbatch(
     g_size, g_load, g_packed = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
     pos_group = np.empty(n, dtype=np.int64)
     count = compiled.megatron_microbatch(
-        pend, b.lens_arr, b.shards, b.costs, b.klo_arr, b.shorter_arr, b.size_arr, world_size, capacity, CAP_DELTA,
-        g_size, g_load, g_packed, pos_group,
+        pend, b.lens_arr, b.klo_arr, b.shorter_arr, b.size_arr, world_size, capacity, CAP_DELTA, g_size, g_load,
+        g_packed, pos_group,
     )  # fmt: skip
     placed = pos_group >= 0
     at = np.flatnonzero(placed)
