@@ -42,17 +42,12 @@ ROUNDING = 1e-9
 decides): the deal's, compiled and vectorised."""
 
 _KERNELS = (
-    "pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_merge_sort", "_order", "_fit",
-    "deal_rounds",
-    "_count_at_most", "_insert", "_remove", "place_multi", "_mcost", "_mshard", "_add_group", "_add_to",
-    "megatron_microbatch",
+    "pair_parts", "longest_under", "_left", "_right", "_untaken", "_merge_sort", "_order", "_fit", "deal_rounds",
+    "_insert", "_remove", "place_multi", "_mcost", "_mshard", "_add_group", "_add_to", "megatron_microbatch",
     "merge_descending",
 )  # fmt: skip
 """This module's functions Numba compiles, callees first."""
-_INLINE = (
-    "pair_parts", "longest_under", "_left", "_right", "_left_int", "_untaken", "_fit", "_count_at_most", "_mcost",
-    "_mshard",
-)  # fmt: skip
+_INLINE = ("pair_parts", "longest_under", "_left", "_right", "_untaken", "_fit", "_mcost", "_mshard")
 """The small ones, compiled into their callers (a call passing a dozen arrays cost more than the work: the deal's
 rounds took 0.8x the time inlined)."""
 
@@ -136,7 +131,7 @@ def longest_under(budget: float, quad: float, per_token: float, seq_overhead: fl
 
 
 def _left(a: np.ndarray, n: int, x: float) -> int:
-    """``np.searchsorted(a[:n], x, "left")``."""
+    """``np.searchsorted(a[:n], x, "left")`` (compiled for each type of ``a`` and ``x``)."""
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) >> 1
@@ -148,7 +143,7 @@ def _left(a: np.ndarray, n: int, x: float) -> int:
 
 
 def _right(a: np.ndarray, n: int, x: float) -> int:
-    """``np.searchsorted(a[:n], x, "right")``."""
+    """``np.searchsorted(a[:n], x, "right")``: how many of the ascending ``a[:n]`` are at most ``x``."""
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) >> 1
@@ -363,7 +358,7 @@ def deal_rounds(
                 if f_ok[t]:
                     continue
                 g = sel_g[t]
-                left, right = _left_int(rem, n_rem, sel_pos[t]) + 1, _left_int(rem, n_rem, sel_stop[t])
+                left, right = _left(rem, n_rem, sel_pos[t]) + 1, _left(rem, n_rem, sel_stop[t])
                 end = right
                 while left < right:
                     mid = (left + right) // 2
@@ -389,30 +384,6 @@ def deal_rounds(
                 taken[sel_pos[t]] = True
                 assign[sel_pos[t]] = sel_g[t]
     return True
-
-
-def _left_int(a: np.ndarray, n: int, x: int) -> int:
-    """``np.searchsorted(a[:n], x, "left")`` of integers."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if a[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def _count_at_most(keys: np.ndarray, n: int, x: float) -> int:
-    """How many of the ascending ``keys[:n]`` are at most ``x`` (``bisect_right``)."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if keys[mid] <= x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def _insert(ord_load: np.ndarray, ord_g: np.ndarray, cnt: np.ndarray, j: int, load: float, g: int) -> None:
@@ -487,7 +458,7 @@ def place_multi(
             if need > cap or cnt[j] == 0:
                 continue
             b = base_a[i, o]
-            q = _count_at_most(ord_load[j], cnt[j], target - b) - 1  # loads hold the fixed cost: the base adds
+            q = _right(ord_load[j], cnt[j], target - b) - 1  # loads hold the fixed cost: the base adds
             lowest = max(q - fit_scan, -1)
             while q > lowest:  # best fit: the most loaded with room
                 g = ord_g[j, q]
