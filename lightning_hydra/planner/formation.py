@@ -26,6 +26,9 @@ Dynamic-CP forms them, but with a closed-form load level, load-driven degrees an
    rank; while everything fits a round is a round of longest-processing-time-first. What does not fit waits for
    the next microbatch.
 
+Steps 3 and 4 and Megatron's placement as a candidate run as compiled loops where Numba is installed
+(:mod:`~lightning_hydra.planner.compiled`): the same plans.
+
 The last asked microbatch takes everything left (above the level if it must); only sequences no group can hold
 (tokens) open further microbatches. Where its raised degrees' work overflows the pool at its level (a long
 sequence whose cheapest class is most of the pool, the rest left to pile into its group), it is also formed at the
