@@ -233,7 +233,6 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
     if seqs.size == 0:
         return []
     fixed_a = tab.fixed
-    cost_tab, fixed = tab.cost, fixed_a.tolist()
     sizes, cap, top = mb.sizes, mb.cap, len(mb.sizes) - 1
     exposure = mb.exposure
     # each sequence's shard, base and net at its class and the REACH classes above
@@ -244,9 +243,10 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
     net_a = tab.net.ravel().take(at)
     own_a = base_a[:, 0] + exposure * np.maximum(net_a[:, 0], 0.0) + fixed_a[k_arr]
     need_size = np.asarray(sizes, dtype=np.int64)[k_arr]
-    multi_a = tab.multi[seqs]
     if compiled.enabled():
         return _compiled_multi(mb, seqs, k_arr, shards_a, base_a, net_a, own_a, need_size, target, last)
+    cost_tab, fixed = tab.cost, fixed_a.tolist()  # what the loop below reads (the compiled one reads the tables)
+    multi_a = tab.multi[seqs]
     k_l, seqs_l = k_arr.tolist(), seqs.tolist()
     ordered, held, load, bsum, nsum = mb.ordered, mb.held, mb.load, mb.bsum, mb.nsum
     wait: list[int] = []
