@@ -28,11 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hydra.cli_errors import argument_reason, current_rank, report_error
+from lightning_hydra.recipes import recipe_path
 
 __all__ = ["COMMANDS", "main", "recipe_path", "run"]
-
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-"""The repository's ``recipes/`` directory (an editable install, as the README's set-up makes)."""
 
 COMMANDS = {
     "fit": "train a HydraModule on a HydraDataModule (LightningCLI: --config, --trainer.*, --model.*, --data.*)",
@@ -60,18 +58,6 @@ options:
 
 `lightning-hydra COMMAND --help` shows a command's options (for fit: every --trainer.*, --model.*, --data.* option
 with its description; `lightning-hydra fit --trainer.strategy.help lightning_hydra.HydraStrategy` the strategy's)."""
-
-
-def recipe_path(name: str) -> Path:
-    """Path of a recipe given by file path or by name (``cpu-demo`` -> ``recipes/cpu-demo.yaml``)."""
-    path = Path(name)
-    if path.exists():
-        return path
-    candidate = RECIPES / (name if name.endswith(".yaml") else f"{name}.yaml")
-    if candidate.exists():
-        return candidate
-    known = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
-    raise FileNotFoundError(f"no recipe {name!r} (looked for {path} and {candidate}; recipes: {known})")
 
 
 # ---------------------------------------------------------------------------------------------- argument types

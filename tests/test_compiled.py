@@ -120,7 +120,7 @@ def test_the_compiled_multi_rank_placement_is_the_numpy_one_on_drawn_microbatche
     from types import SimpleNamespace
 
     from lightning_hydra.planner import placement
-    from lightning_hydra.planner.formation import DegreeSet
+    from lightning_hydra.planner.tables import DegreeSet
 
     cost = _models()["base"]
     ds = DegreeSet(sizes=np.array([1, 2, 4, 8]), ulysses=np.array([1, 2, 4, 8]), ring=np.ones(4, dtype=np.int64),
@@ -129,8 +129,8 @@ def test_the_compiled_multi_rank_placement_is_the_numpy_one_on_drawn_microbatche
 
     def place(on: bool, tab: SimpleNamespace, kdeg: np.ndarray, world: int, target: float, last: bool) -> tuple:
         monkeypatch.setenv(compiled.ENV, "1" if on else "0")
-        mb = placement._Microbatch(tab, ds, cost.replace(ring_exposure=float(tab.exposure)), world, 100)
-        wait = placement._place_multi(mb, np.arange(kdeg.size), kdeg, target, last)
+        mb = placement.Microbatch(tab, ds, cost.replace(ring_exposure=float(tab.exposure)), world, 100)
+        wait = placement.place_multi(mb, np.arange(kdeg.size), kdeg, target, last)
         seq, gid = mb.member_arrays()
         return wait, seq.tolist(), gid.tolist(), list(mb.gk), list(mb.load), list(mb.held), mb.free
 

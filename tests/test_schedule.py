@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
-from lightning_hydra.planner.formation import REACH, DegreeSet, form
+from lightning_hydra.planner.formation import REACH, form
 from lightning_hydra.planner.hydra import MCORE_BUDGET, MCORE_BUDGET_MEMORY, MCORE_REACH
 from lightning_hydra.planner.layout import layout
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import Scored, span_of
+from lightning_hydra.planner.tables import DegreeSet
 
 POLICIES = ["hydra", "mcore", "static"]
 
@@ -167,13 +168,14 @@ def test_the_placement_keeps_every_microbatchs_largest_load(
 ) -> None:
     """The placement keeps each group's load as running sums (and reads the single-rank parts from the tables):
     every formed microbatch's largest load must be what the cost model gives its groups from scratch."""
-    from lightning_hydra.planner.formation import _microbatch, _Tables
+    from lightning_hydra.planner.formation import _microbatch
+    from lightning_hydra.planner.tables import Tables
 
     lengths = make_batch("lognormal", world_size=64, capacity=capacity, num_microbatches=8, fill=0.75,
                          context=context, seed=3)  # fmt: skip
     req = _request(lengths, cost.replace(ring_exposure=1.5), 64, capacity, 8)
     ds = DegreeSet.build(req.rules, name)
-    tab = _Tables(req, ds)
+    tab = Tables(req, ds)
     remaining, m, checked = np.argsort(-tab.cost_min, kind="stable"), 0, 0
     while remaining.size:
         formed, remaining = _microbatch(tab, ds, req, remaining, 8 - m, m >= 7, load_driven)
@@ -191,12 +193,12 @@ def test_the_placement_keeps_every_microbatchs_largest_load(
 def test_the_tables_cheapest_classes_are_the_plain_numpy_ones(name: str, distribution: str, cost: CostModel) -> None:
     """The formation's tables build the running minimum over classes with room row by row, from the memory minimum
     on: it must be NumPy's ``minimum.accumulate`` and ``argmin`` over the classes whose shard fits."""
-    from lightning_hydra.planner.formation import _Tables
+    from lightning_hydra.planner.tables import Tables
 
     lengths = make_batch(distribution, world_size=256, capacity=16384, num_microbatches=8, fill=0.75,
                          context=262144, seed=4)  # fmt: skip
     req = _request(lengths, cost.replace(ring_exposure=0.7), 256, 16384, 8)
-    tab = _Tables(req, DegreeSet.build(req.rules, name))
+    tab = Tables(req, DegreeSet.build(req.rules, name))
     rows = np.arange(tab.cost.shape[0])[:, None]
     room = (rows >= tab.min_class[tab.multi][None, :]) & (tab.shards <= 16384)
     masked = np.where(room, tab.cost, np.inf)
@@ -446,7 +448,7 @@ def test_pools_that_are_no_group_leave_ranks_idle_where_megatrons_fill_fails(
 def test_the_fast_fill_is_megatrons_fill(groups: list[int], world: int) -> None:
     """The fast placement's fill of the empty ranks (a heap of group sizes) ends where the baseline's group-by-group
     doubling does, or fails where it does."""
-    from lightning_hydra.planner.mcore import _MB, _fill_once
+    from lightning_hydra.planner.mcore import MegatronMicrobatch, _fill_once
     from lightning_hydra.planner.mcore_fast import _fill
 
     if sum(groups) > world:
@@ -454,7 +456,7 @@ def test_the_fast_fill_is_megatrons_fill(groups: list[int], world: int) -> None:
     sizes = [z for z in (1, 2, 4, 8, 16, 32, 64) if z <= world]
     if any(z not in sizes for z in groups):
         return
-    mb = _MB(world)
+    mb = MegatronMicrobatch(world)
     for g, z in enumerate(groups):
         mb.add_group(z, (g, 1))
     while mb.next_free < world and _fill_once(mb, sizes, world):
@@ -470,12 +472,12 @@ def test_the_fast_fill_is_megatrons_fill(groups: list[int], world: int) -> None:
 def test_the_fast_minimum_degrees_are_megatrons() -> None:
     """Every sequence's minimum degree, computed for all at once, is the baseline's, zigzag padding included."""
     from lightning_hydra.planner.mcore import _min_degree
-    from lightning_hydra.planner.mcore_fast import _min_degrees
+    from lightning_hydra.planner.mcore_fast import min_degrees
 
     for capacity in (1000, 4095, 4096, 8191, 16384):
         lengths = np.arange(1, 300_000, 7, dtype=np.int64)
         expected = [_min_degree(int(x), capacity) for x in lengths]
-        assert _min_degrees(lengths, capacity).tolist() == expected
+        assert min_degrees(lengths, capacity).tolist() == expected
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -611,8 +613,8 @@ def test_groups_that_open_or_lighten_end_a_run_of_misses(
 
     def place(miss_run: int) -> tuple[list[int], list[list[int]]]:
         monkeypatch.setattr(placement, "_MISS_RUN", miss_run)
-        mb = placement._Microbatch(tab, ds, cost.replace(ring_exposure=1.0), world, 100)
-        return placement._place_multi(mb, np.arange(n), np.asarray(kdeg), 10.0, last=False), mb.members
+        mb = placement.Microbatch(tab, ds, cost.replace(ring_exposure=1.0), world, 100)
+        return placement.place_multi(mb, np.arange(n), np.asarray(kdeg), 10.0, last=False), mb.members
 
     monkeypatch.setattr(placement, "_LOOK_AFTER", 1)  # look after the first miss: it finds the last sequence a miss
     assert place(64) == place(0) == expected
@@ -622,9 +624,9 @@ def test_a_group_a_newcomer_makes_lighter_takes_what_it_passed() -> None:
     """With more ring traffic exposed than there is (``ring_exposure`` 3), a sequence whose attention hides more
     than its traffic makes its group lighter: the single-rank dealing then looks again at sequences it had passed
     as too long (here: 2,000 tokens join first, after which 2,300 fit)."""
-    from lightning_hydra.planner.dealing import _place_single
-    from lightning_hydra.planner.formation import _Tables
-    from lightning_hydra.planner.placement import _Microbatch
+    from lightning_hydra.planner.dealing import place_single
+    from lightning_hydra.planner.placement import Microbatch
+    from lightning_hydra.planner.tables import Tables
 
     cost = CostModel(
         attn=1.0, linear=0.0, ring_bytes_per_token=100.0, inter_node_bandwidth=1.0, ring_exposure=3.0,
@@ -634,9 +636,9 @@ def test_a_group_a_newcomer_makes_lighter_takes_what_it_passed() -> None:
     ds = DegreeSet.build(rules, "pow2")
     lengths = np.array([1, 2300, 2000])
     req = PlanRequest(lengths=lengths, num_microbatches=1, capacity=10**6, cost=cost, rules=rules)
-    mb = _Microbatch(_Tables(req, ds), ds, cost, 2, 10**6)
+    mb = Microbatch(Tables(req, ds), ds, cost, 2, 10**6)
     mb.open(1, 0, 0.0, 1e6, 0, 3e6)  # a ring group of 2 ranks whose bin exposes ring traffic
-    waiting = _place_single(mb, cost, lengths, np.array([1, 2]), 5.2e6, False)
+    waiting = place_single(mb, cost, lengths, np.array([1, 2]), 5.2e6, False)
     assert waiting.size == 0 and sorted(mb.single_seq.tolist()) == [1, 2]
     assert mb.loads[0] <= 5.2e6
 

@@ -765,8 +765,8 @@ def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget, bin_overhead, s
     within the budget, and the memory-driven formation planned for fewer microbatches exactly where a fixed cost per
     microbatch makes it worth it."""
     from lightning_hydra.planner import DegreeRules, PlanRequest
-    from lightning_hydra.planner.formation import DegreeSet, _Tables
     from lightning_hydra.planner.hydra import LIFTS, candidate_plans, fewer_microbatches
+    from lightning_hydra.planner.tables import DegreeSet, Tables
 
     cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256).replace(bin_overhead=bin_overhead)
     batch = make_batch(
@@ -778,7 +778,7 @@ def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget, bin_overhead, s
         mcore_budget=mcore_budget,
     )  # fmt: skip
     plans = candidate_plans(req)
-    fewer = fewer_microbatches(req, _Tables(req, DegreeSet.build(rules, "pow2")))
+    fewer = fewer_microbatches(req, Tables(req, DegreeSet.build(rules, "pow2")))
     assert (fewer is None) == (bin_overhead == 0.0)  # planned for fewer microbatches only where a fixed cost pays
     dense = set() if fewer is None else {f"pow2/memory/m{fewer}"}
     chosen = schedule(

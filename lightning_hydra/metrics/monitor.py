@@ -17,15 +17,12 @@ from typing_extensions import override
 from lightning_hydra.errors import check_bool, check_choice, check_int
 from lightning_hydra.metrics.bubbles import min_pipeline_bubble
 from lightning_hydra.metrics.loads import step_metrics
-from lightning_hydra.metrics.record import StepRecord
+from lightning_hydra.metrics.record import RECORDS_FILE, StepRecord
 from lightning_hydra.planner.calibration import FITTED
 
 __all__ = ["RECORDS_FILE", "BubbleMonitor"]
 
 log = logging.getLogger(__name__)
-
-RECORDS_FILE = "hydra_steps.jsonl"
-"""File, in the run's log directory, holding one JSON line per step: its metrics and (some steps) the timeline."""
 
 _PROG_BAR = {"throughput/tokens_per_s": "tok/s", "bubble/dp": "dp_bubble"}
 

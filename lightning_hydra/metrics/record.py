@@ -17,7 +17,10 @@ from torchmetrics import Metric
 
 from lightning_hydra.planner.calibration import NUM_FEATURES
 
-__all__ = ["StepGather", "StepRecord", "rank_row"]
+__all__ = ["RECORDS_FILE", "StepGather", "StepRecord", "rank_row"]
+
+RECORDS_FILE = "hydra_steps.jsonl"
+"""File, in the run's log directory, holding one JSON line per step: its metrics and (some steps) the timeline."""
 
 _PER_MB = 11 + NUM_FEATURES  # busy, comm, predicted, leader, degree, fwd, bwd, 4 span values, features...
 _FEATURES = 11

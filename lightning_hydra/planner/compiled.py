@@ -2,8 +2,8 @@
 
 Three loops take most of a large plan's time in Python (a 2,048-rank x 256K lognormal batch,
 ``python -m lightning_hydra.bench.schedule``): the single-rank deal's rounds
-(:func:`~lightning_hydra.planner.dealing._place_single`: some forty NumPy calls a round, about 190 rounds a plan),
-the multi-rank placement (:func:`~lightning_hydra.planner.placement._place_multi`: one sequence at a time in the
+(:func:`~lightning_hydra.planner.dealing.place_single`: some forty NumPy calls a round, about 190 rounds a plan),
+the multi-rank placement (:func:`~lightning_hydra.planner.placement.place_multi`: one sequence at a time in the
 interpreter) and Megatron's placement as a candidate (:func:`~lightning_hydra.planner.mcore_fast._one_microbatch`).
 Where `Numba <https://numba.pydata.org>`_ is installed (the ``fast`` extra), :func:`deal_rounds`,
 :func:`place_multi` and :func:`megatron_microbatch` run them as compiled loops. Every comparison and every
@@ -254,7 +254,7 @@ def deal_rounds(
     ring: np.ndarray, fixed: np.ndarray, quad: np.ndarray, per_token: np.ndarray, tiles: np.ndarray, limit: float,
     last: bool, cap: int, exposure: float, p: np.ndarray, rounds: int, taken: np.ndarray, assign: np.ndarray,
 ) -> bool:  # fmt: skip
-    """The rounds of :func:`~lightning_hydra.planner.dealing._place_single` (see there), at most ``rounds`` of
+    """The rounds of :func:`~lightning_hydra.planner.dealing.place_single` (see there), at most ``rounds`` of
     them; updates the groups' ``load``, ``bsum``, ``nsum`` and ``held`` and the positions' ``taken`` and ``assign``
     in place. Returns whether every round ran (the caller then deals the rest in blocks).
 
@@ -427,7 +427,7 @@ def place_multi(
     exposure: float, free: int, give_up: int, fit_scan: int, reach: int, g_class: np.ndarray, g_load: np.ndarray,
     g_bsum: np.ndarray, g_nsum: np.ndarray, g_held: np.ndarray, seq_group: np.ndarray,
 ) -> tuple[int, int]:  # fmt: skip
-    """:func:`~lightning_hydra.planner.placement._place_multi` one sequence at a time (its runs of openings and of
+    """:func:`~lightning_hydra.planner.placement.place_multi` one sequence at a time (its runs of openings and of
     misses, found in bulk there, are what this does one by one): the same groups, loads and waiting sequences.
 
     Sequences ``i`` come heaviest first with their class ``k_arr``, table column ``cols``, shard, base and net at

@@ -10,6 +10,7 @@ import numpy as np
 from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.plan import Plan
+from lightning_hydra.planner.policies import schedule
 
 __all__ = ["BatchPlanner", "PlannerConfig"]
 
@@ -56,8 +57,6 @@ class PlannerConfig:
         seed: int,
     ) -> Plan:
         """Plan one global batch with these settings (see :func:`lightning_hydra.planner.schedule`)."""
-        from lightning_hydra.planner import schedule
-
         return schedule(
             lengths,
             world_size=world_size,

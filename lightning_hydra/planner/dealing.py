@@ -1,7 +1,7 @@
 """The single-rank deal of a microbatch: every group takes the longest remaining sequence that fits, round after round.
 
 After the multi-rank sequences are placed (:mod:`~lightning_hydra.planner.placement`), every free rank becomes a
-group of one, and the sequences that fit one rank are dealt to all groups in rounds (:func:`_place_single`). The
+group of one, and the sequences that fit one rank are dealt to all groups in rounds (:func:`place_single`). The
 rounds run compiled where Numba is installed (:func:`~lightning_hydra.planner.compiled.deal_rounds`, the same plans)
 and vectorised otherwise (:func:`_vector_rounds`); past :data:`_ROUNDS` rounds the rest is dealt in blocks
 (:func:`_deal_block`).
@@ -19,9 +19,9 @@ from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.order import descending_order, is_descending
 
 if TYPE_CHECKING:
-    from lightning_hydra.planner.placement import _Microbatch
+    from lightning_hydra.planner.placement import Microbatch
 
-__all__: list[str] = []
+__all__ = ["place_single"]
 
 _ROUNDS = 64
 """Rounds of the single-rank dealing (a round gives one sequence to each open group) before the rest is dealt in
@@ -31,8 +31,8 @@ _ROUNDING = compiled.ROUNDING
 decides)."""
 
 
-def _place_single(
-    mb: _Microbatch, cost: CostModel, lens: np.ndarray, seqs: np.ndarray, target: float, last: bool
+def place_single(
+    mb: Microbatch, cost: CostModel, lens: np.ndarray, seqs: np.ndarray, target: float, last: bool
 ) -> np.ndarray:
     """Deal single-rank-class sequences to every group in vectorised rounds; return those that wait.
 
@@ -93,7 +93,7 @@ def _vector_rounds(
     groups: tuple[np.ndarray, ...], tiles: np.ndarray, limit: float, last: bool, cap: int, taken: np.ndarray,
     assign: np.ndarray,
 ) -> bool:  # fmt: skip
-    """The rounds of :func:`_place_single`, vectorised over the groups (at most :data:`_ROUNDS`); update the groups'
+    """The rounds of :func:`place_single`, vectorised over the groups (at most :data:`_ROUNDS`); update the groups'
     state and ``taken`` and ``assign`` in place. Returns whether every round ran.
 
     Args:

@@ -43,19 +43,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_hydra.planner.cost import CostModel
-from lightning_hydra.planner.dealing import _place_single
-from lightning_hydra.planner.degrees import DegreeRules, shard_tokens
+from lightning_hydra.planner.dealing import place_single
 from lightning_hydra.planner.layout import layout
 from lightning_hydra.planner.order import descending_order, descending_order_of_two, stable_argsort
-from lightning_hydra.planner.placement import REACH, _Microbatch, _place_multi
+from lightning_hydra.planner.placement import REACH, Microbatch, place_multi
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
+from lightning_hydra.planner.tables import DegreeSet, Tables
 
-__all__ = ["DEGREE_SETS", "DENSE_FILL", "REACH", "DegreeSet", "Formation", "form"]
+__all__ = ["DENSE_FILL", "REACH", "Formation", "form"]
 
-DEGREE_SETS = ("pow2", "fine", "node")
-"""Named degree sets: ``pow2`` (Megatron's powers of two), ``fine`` (every size up to 8, then eight per octave),
-``node`` (1, 2, 4, then multiples of the largest Ulysses degree: full Ulysses inside a node, rings across)."""
 DENSE_FILL = 0.8
 """Share of the pool's tokens the dense level assumes a microbatch can hold. Aiming higher (0.88 before) set levels
 that the placement, bound by tokens, reached only on the multi-rank groups: ranks full of short sequences stayed
@@ -64,41 +61,6 @@ below them, and the calibrated model and the truths both scored the plans lower 
 every fill at 256K and at 50% and 75% at 32K, where at 90% the even level binds and nothing changed; on the
 robustness benchmark at 90% fill the 256K mean fell by 1%, the fine candidate doing better at 0.88 there; see the
 README's robustness section)."""
-
-
-@dataclass(frozen=True)
-class DegreeSet:
-    """Allowed group sizes (ascending) and their Ulysses x ring factorization."""
-
-    sizes: np.ndarray
-    """Group sizes (int64, ascending)."""
-    ulysses: np.ndarray
-    """Ulysses degree of each size."""
-    ring: np.ndarray
-    """Ring degree of each size."""
-    name: str
-    """Which set (one of :data:`DEGREE_SETS`)."""
-
-    @classmethod
-    def build(cls, rules: DegreeRules, name: str) -> DegreeSet:
-        """The sizes of set ``name`` that the pool allows (see :data:`DEGREE_SETS`)."""
-        if name == "fine":
-            sizes = rules.degrees(fine=True)
-        elif name == "pow2":
-            sizes = rules.degrees()
-        elif name == "node":
-            top = rules.ulysses_options()[-1]
-            sizes = [d for d in rules.degrees() if d < top] + list(range(top, rules.world_size + 1, top))
-            sizes = [d for d in sizes if rules.factor(d) is not None]
-        else:
-            raise ValueError(f"unknown degree set {name!r}; choose one of {DEGREE_SETS}")
-        factors = [rules.factor(d) for d in sizes]
-        return cls(
-            sizes=np.asarray(sizes, dtype=np.int64),
-            ulysses=np.asarray([f[0] for f in factors if f], dtype=np.int64),
-            ring=np.asarray([f[1] for f in factors if f], dtype=np.int64),
-            name=name,
-        )
 
 
 @dataclass
@@ -215,91 +177,6 @@ class Formation:
         return req.plan(microbatches, "hydra", **stats)
 
 
-class _Tables:
-    """Per-sequence costs the formation needs, computed once per degree set."""
-
-    def __init__(self, req: PlanRequest, ds: DegreeSet) -> None:
-        cost, lens, cap = req.cost, req.lengths, req.capacity
-        sizes = ds.sizes
-        k = len(sizes)
-        j0 = np.minimum(np.searchsorted(sizes, lens / cap, side="left"), k - 1)
-        for _ in range(k):  # zigzag padding can push a shard over capacity: step up where it does
-            over = shard_tokens(lens, sizes[j0]) > cap
-            if not over.any():
-                break
-            j0 = np.minimum(j0 + over, k - 1)
-        self.min_class = j0
-        if ds.ulysses[0] == ds.ring[0] == 1:  # one rank: shared by the degree sets; the rest computed here
-            base, net = (x.copy() for x in req.one_rank_parts)
-            wide = np.flatnonzero(j0)
-            base[wide], net[wide] = cost.pair_parts(lens[wide], ds.ulysses[j0[wide]], ds.ring[j0[wide]])
-        else:
-            base, net = cost.pair_parts(lens, ds.ulysses[j0], ds.ring[j0])
-        self.base_min, self.net_min = base, net  # the parts at the memory minimum (of the single-rank dealing)
-        self.shard_min = shard_tokens(lens, sizes[j0])
-        fixed = cost.fixed(ds.ulysses, ds.ring)
-        alone = base + cost.ring_exposure * np.maximum(net, 0.0)
-        self.cost_min = alone + fixed[j0]
-        # the work a sequence adds to its ranks: without the microbatch's fixed cost, which a busy rank pays once
-        # however many sequences it holds (:attr:`fixed_min` adds it to the level once per rank)
-        self.work_min = alone * sizes[j0]
-        self.fixed_min = float(fixed.min())
-        """The least fixed cost a busy rank pays per microbatch (``CostModel.fixed`` of the cheapest class)."""
-        self.tokens_min = self.shard_min * sizes[j0]
-        # sequences that may need several ranks: above one rank of memory, or heavy enough to be raised (their work
-        # above half a rank's mean share; the fixed cost, the same at any class a rank holds, decides no raise)
-        low = 0.5 * float(self.work_min.sum()) / (req.world_size * req.num_microbatches)
-        self.multi = np.flatnonzero((j0 > 0) | (alone > low))
-        self.column = np.full(lens.size, -1, dtype=np.int64)
-        self.column[self.multi] = np.arange(self.multi.size)
-        lm = lens[self.multi]
-        b, nt = cost.parts(lm, ds.ulysses, ds.ring)
-        self.base = b  # [classes, multi]
-        self.net = nt
-        self.fixed = fixed
-        self.quad, self.per_token = cost.length_quadratic(ds.ulysses, ds.ring)  # per class, for the single-rank deal
-        self.cost = np.maximum(nt, 0.0)  # b + ring_exposure * max(nt, 0) + fixed, in one buffer
-        self.cost *= cost.ring_exposure
-        self.cost += b
-        self.cost += fixed[:, None]
-        self.shards = shard_tokens(lm[None, :], sizes[:, None])
-        # per sequence, the cheapest cost of the classes up to each, counting only those from its memory minimum on
-        # (``inf`` before it), row by row (``accumulate`` on axis 0 is slower). A shard only shrinks as the degree
-        # grows, so every class from the memory minimum on has token room and none below it has
-        j0m = j0[self.multi]
-        masked = np.empty_like(self.cost)
-        masked[0] = np.where(j0m <= 0, self.cost[0], np.inf)
-        for i in range(1, k):
-            np.minimum(masked[i - 1], np.where(j0m <= i, self.cost[i], np.inf), out=masked[i])
-        none = self.shards[-1] > cap  # no class has room (capacity is checked before planning)
-        if none.any():
-            masked[:, none] = np.inf
-        self.runmin = masked
-        # the first class at the cheapest cost (``argmin``): the rows before the running minimum reaches its last value
-        self.cheapest = (masked > masked[-1]).sum(axis=0)
-
-    def cost_at(self, classes: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """``cost[classes, cols]`` by flat positions (faster than two index arrays)."""
-        return self.cost.ravel().take(classes * self.cost.shape[1] + cols)
-
-    def classes_at(self, target: float, raise_degrees: bool, cols: np.ndarray) -> np.ndarray:
-        """Class at ``target`` of the multi-rank candidates in columns ``cols``."""
-        if not raise_degrees:
-            return self.min_class[self.multi[cols]]
-        classes, width = self.runmin.shape
-        # the first class whose running minimum is within ``target`` (``classes`` if none): the running minimum only
-        # falls down the classes, so a bisection over the classes for all columns at once (log2(classes) gathers)
-        flat = self.runmin.ravel()
-        lo = np.zeros(cols.size, dtype=np.int64)
-        hi = np.full(cols.size, classes, dtype=np.int64)
-        for _ in range(classes.bit_length()):
-            mid = (lo + hi) >> 1
-            within = flat[np.minimum(mid, classes - 1) * width + cols] <= target
-            hi = np.where(within, mid, hi)
-            lo = np.where(within, lo, np.minimum(mid + 1, hi))
-        return np.where(hi < classes, hi, self.cheapest[cols])
-
-
 @dataclass
 class _Formed:
     """One formed microbatch: class of every group, its sequences with their group, and the largest load."""
@@ -325,11 +202,11 @@ def _prefix_within(values: np.ndarray, index: np.ndarray, budget: float) -> int:
 
 
 def _water_level(
-    tab: _Tables, ds: DegreeSet, cols: np.ndarray, kdeg: np.ndarray, single_work: float, level: float, n_ranks: int
+    tab: Tables, ds: DegreeSet, cols: np.ndarray, kdeg: np.ndarray, single_work: float, level: float, n_ranks: int
 ) -> tuple[float, np.ndarray] | None:
     """The last microbatch's water level where the work at its raised degrees overflows the pool at its level:
     the lowest level ``T`` at which the multi-rank sequences' work at their classes at ``T``
-    (:meth:`_Tables.classes_at`), plus the single-rank sequences' work, fits ``n_ranks`` ranks each busy ``T`` (less
+    (:meth:`Tables.classes_at`), plus the single-rank sequences' work, fits ``n_ranks`` ranks each busy ``T`` (less
     the fixed cost a busy rank pays once); ``None`` where it already fits at ``level``.
 
     A sequence with no class within the level takes its cheapest, on a small batch possibly most of the pool (a
@@ -375,7 +252,7 @@ def _water_level(
 
 
 def _microbatch(
-    tab: _Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool,
+    tab: Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool,
     even: bool = False, lift: float = 1.0,
 ) -> tuple[_Formed, np.ndarray]:  # fmt: skip
     """Form one microbatch from ``remaining`` (heaviest first) with ``left`` microbatches still to come (this one
@@ -417,7 +294,7 @@ def _microbatch(
 
 
 def _place(
-    tab: _Tables, ds: DegreeSet, req: PlanRequest, multi_cols: np.ndarray, kdeg: np.ndarray, single: np.ndarray,
+    tab: Tables, ds: DegreeSet, req: PlanRequest, multi_cols: np.ndarray, kdeg: np.ndarray, single: np.ndarray,
     level: float, last: bool,
 ) -> tuple[_Formed, np.ndarray]:  # fmt: skip
     """Place one microbatch's sequences at ``level``: the multi-rank ones (columns ``multi_cols`` at classes
@@ -425,9 +302,9 @@ def _place(
     wait (heaviest first)."""
     heaviest = descending_order(tab.cost_at(kdeg, multi_cols))
     multi_cols, kdeg = multi_cols[heaviest], kdeg[heaviest]
-    mb = _Microbatch(tab, ds, req.cost, req.world_size, req.capacity)
-    wait_multi = _place_multi(mb, multi_cols, kdeg, level, last)
-    wait_single = _place_single(mb, req.cost, req.lengths, single, level, last)
+    mb = Microbatch(tab, ds, req.cost, req.world_size, req.capacity)
+    wait_multi = place_multi(mb, multi_cols, kdeg, level, last)
+    wait_single = place_single(mb, req.cost, req.lengths, single, level, last)
     if not mb.classes.size:  # nothing was dealt: the groups of the multi-rank phase as they are
         mb.classes, mb.loads = np.asarray(mb.gk, dtype=np.int64), np.asarray(mb.load)
     member_seq, member_gid = mb.member_arrays()
@@ -444,7 +321,7 @@ def _place(
 
 
 def form(
-    req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: _Tables | None = None, even: bool = False,
+    req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: Tables | None = None, even: bool = False,
     lift: float = 1.0, microbatches: int | None = None,
 ) -> Formation:  # fmt: skip
     """Form the microbatches of one candidate (see the module docstring).
@@ -471,7 +348,7 @@ def form(
     Returns:
         The candidate as flat arrays.
     """
-    tab = tables if tables is not None else _Tables(req, ds)
+    tab = tables if tables is not None else Tables(req, ds)
     asked = req.num_microbatches if microbatches is None else microbatches
     # heaviest first (ties in index order), sorted from the longest-first order: it is nearly that, so the sort
     # merges a few runs; equal costs of different lengths (possible only without attention cost) would come out

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_hydra.planner.calibration import plain_rings_readable
-from lightning_hydra.planner.formation import DegreeSet, Formation, _Tables, form
+from lightning_hydra.planner.formation import Formation, form
 from lightning_hydra.planner.mcore_bound import Hopeless
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.planner.plan import Plan
@@ -50,6 +50,7 @@ from lightning_hydra.planner.robust import (
     standing,
 )
 from lightning_hydra.planner.static import StaticLayout, static_layout
+from lightning_hydra.planner.tables import DegreeSet, Tables
 
 __all__ = [
     "CANDIDATES",
@@ -182,7 +183,7 @@ step the slack was set by (a fine candidate predicted 12-17% slower by the ring 
 against 0.73) is outside it."""
 
 
-def fewer_microbatches(req: PlanRequest, tables: _Tables) -> int | None:
+def fewer_microbatches(req: PlanRequest, tables: Tables) -> int | None:
     """The microbatches the denser memory-driven candidate is planned for, or ``None`` where it is not formed: the
     fewest that the batch's tokens (at the memory minimum, zigzag padding included) could fill, where that is fewer
     than asked and the fixed cost the saved microbatches would pay on every rank exceeds :data:`FEWER_SHARE` of the
@@ -192,7 +193,7 @@ def fewer_microbatches(req: PlanRequest, tables: _Tables) -> int | None:
 
     Args:
         req: The validated request.
-        tables: The power-of-two degree set's cost tables (:class:`~lightning_hydra.planner.formation._Tables`).
+        tables: The power-of-two degree set's cost tables (:class:`~lightning_hydra.planner.formation.Tables`).
     """
     asked, fixed = req.num_microbatches, tables.fixed_min
     if req.pipeline_stages > 1 or fixed <= 0.0:
@@ -210,17 +211,17 @@ def candidates(req: PlanRequest) -> list[Formation]:
     :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`; where a fixed cost per microbatch
     makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for fewer microbatches than
     asked (named with ``/m`` and their count)."""
-    tables: dict[str, _Tables] = {}
+    tables: dict[str, Tables] = {}
     out = []
     for name, load_driven in CANDIDATES:
         ds = DegreeSet.build(req.rules, name)
         if name not in tables:
-            tables[name] = _Tables(req, ds)
+            tables[name] = Tables(req, ds)
         out.append(form(req, ds, raise_degrees=load_driven, tables=tables[name]))
         if req.pipeline_stages > 1 and load_driven:
             out.append(form(req, ds, raise_degrees=True, tables=tables[name], even=True))
     ds = DegreeSet.build(req.rules, "pow2")
-    tab = tables["pow2"] if "pow2" in tables else _Tables(req, ds)
+    tab = tables["pow2"] if "pow2" in tables else Tables(req, ds)
     if _within(req, LIFT_BUDGET):
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
     fewer = fewer_microbatches(req, tab)

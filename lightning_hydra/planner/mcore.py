@@ -29,7 +29,7 @@ from lightning_hydra.planner.degrees import shard_tokens
 from lightning_hydra.planner.plan import Group, Plan, PlanError
 from lightning_hydra.planner.request import PlanRequest
 
-__all__ = ["megatron_min_degree", "schedule_mcore"]
+__all__ = ["CAP_DELTA", "MegatronMicrobatch", "finish_microbatch", "groups_of", "megatron_min_degree", "schedule_mcore"]
 
 CAP_DELTA = 0.05
 """Megatron's workload cap: candidates may exceed the tallest sequence's per-rank load by 5%."""
@@ -49,7 +49,7 @@ def _min_degree(length: int, capacity: int) -> int:
     return d
 
 
-class _MB:
+class MegatronMicrobatch:
     """State of one microbatch being formed (groups in creation order, per-rank workload)."""
 
     def __init__(self, world_size: int) -> None:
@@ -82,7 +82,7 @@ def _projected_max(exec_times: np.ndarray, start: int, size: int, cost: float) -
     return float(trial.max())
 
 
-def _fill_once(mb: _MB, sizes: list[int], world_size: int) -> bool:
+def _fill_once(mb: MegatronMicrobatch, sizes: list[int], world_size: int) -> bool:
     """Double the first smallest group that can grow into the empty tail; shift the groups after it."""
     if not mb.sizes:
         return False
@@ -116,10 +116,10 @@ def _one_microbatch(
     seqs: list[tuple[int, int]], sizes: list[int], world_size: int, capacity: int, whole: bool = True
 ) -> tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]:
     """Form one microbatch from ``seqs`` (``(id, length)``); return its groups and the leftovers (``whole``: see
-    :func:`_finish`)."""
+    :func:`finish_microbatch`)."""
     seqs = sorted(seqs, key=lambda s: -s[1])
     cap = float(seqs[0][1]) * float(capacity) * (1.0 + CAP_DELTA)
-    mb = _MB(world_size)
+    mb = MegatronMicrobatch(world_size)
     first = seqs[0]
     mb.add_group(max(_min_degree(first[1], capacity), sizes[0]), first)
     leftovers: list[tuple[int, int]] = []
@@ -148,12 +148,12 @@ def _one_microbatch(
         else:
             mb.add_to(best[2], seq)
 
-    return _finish(mb, seqs, leftovers, sizes, world_size, capacity, whole)
+    return finish_microbatch(mb, seqs, leftovers, sizes, world_size, capacity, whole)
 
 
-def _finish(
-    mb: _MB, seqs: list[tuple[int, int]], leftovers: list[tuple[int, int]], sizes: list[int], world_size: int,
-    capacity: int, whole: bool = True,
+def finish_microbatch(
+    mb: MegatronMicrobatch, seqs: list[tuple[int, int]], leftovers: list[tuple[int, int]], sizes: list[int],
+    world_size: int, capacity: int, whole: bool = True,
 ) -> tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]:  # fmt: skip
     """Fill the microbatch's empty ranks as Megatron does and return its groups ``(start, size, sequence ids)`` and
     the sequences that wait; if no fill works, one group of the whole pool packed from all of ``seqs``, or, where
@@ -179,7 +179,7 @@ def _finish(
 
 def groups_of(req: PlanRequest, groups: list[tuple[int, int, list[int]]]) -> list[Group]:
     """The :class:`Group` of every ``(start, size, sequence ids)`` of a microbatch, and idle groups on the ranks none
-    covers (only where the pool is no group: :func:`_finish`)."""
+    covers (only where the pool is no group: :func:`finish_microbatch`)."""
     out = [req.group(start, size, ids) for start, size, ids in groups]
     return out if sum(size for _, size, _ in groups) == req.world_size else req.fill_idle(out)
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from lightning_hydra.planner.calibration import FITTED
 from lightning_hydra.planner.cost import CostModel
-from lightning_hydra.planner.mcore_fast import _min_degrees
+from lightning_hydra.planner.mcore_fast import min_degrees
 from lightning_hydra.planner.plan import Group, group_arrays
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import Scored, spans_of, standing, worst_ratio
@@ -84,7 +84,7 @@ class Hopeless:
         self._models = models
         self._lengths = np.asarray(req.lengths, dtype=np.int64)
         lens = self._lengths.astype(np.float64)
-        degree = _min_degrees(self._lengths, req.capacity).astype(np.float64)
+        degree = min_degrees(self._lengths, req.capacity).astype(np.float64)
         # per sequence, summed over its ranks at the memory-driven degree: sum L^2, L, ranks, L * ranks (the
         # factors of attn, linear, seq_overhead and length_overhead)
         self._compute = np.stack([lens * lens, lens, degree, lens * degree], axis=1)

@@ -42,11 +42,11 @@ import numpy as np
 
 from lightning_hydra.planner import compiled
 from lightning_hydra.planner.degrees import shard_tokens
-from lightning_hydra.planner.mcore import _MB, CAP_DELTA, _finish, groups_of
+from lightning_hydra.planner.mcore import CAP_DELTA, MegatronMicrobatch, finish_microbatch, groups_of
 from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
 
-__all__ = ["Stop", "schedule_mcore_fast"]
+__all__ = ["Stop", "min_degrees", "schedule_mcore_fast"]
 
 Stop = Callable[[list[Group], np.ndarray], bool]
 """Called after each microbatch with its groups and the ids of the sequences still waiting; ``True`` abandons the
@@ -78,7 +78,7 @@ class _Batch:
         """Length at each position."""
         self.size_arr = np.asarray(sizes, dtype=np.int64)
         """The allowed sizes."""
-        self.klo_arr = np.searchsorted(self.size_arr, _min_degrees(self.lens_arr, req.capacity))
+        self.klo_arr = np.searchsorted(self.size_arr, min_degrees(self.lens_arr, req.capacity))
         """Index of the smallest size each sequence may take."""
         self.shorter_arr = np.searchsorted(-self.lens_arr, -self.lens_arr, side="right")
         """First position of a shorter sequence after each position."""
@@ -125,7 +125,7 @@ def _one_microbatch(
 ) -> tuple[list[tuple[int, int, list[int]]], np.ndarray]:
     """Form one microbatch from the waiting positions ``pend`` (ascending); return its groups ``(start, size, ids)``
     and the positions that wait (``whole``: whether the pool is a group,
-    :func:`~lightning_hydra.planner.mcore._finish`)."""
+    :func:`~lightning_hydra.planner.mcore.finish_microbatch`)."""
     if compiled.enabled():
         return _compiled_microbatch(b, pend, sizes, world_size, capacity, whole)
     n = pend.size
@@ -346,7 +346,7 @@ def _close(
         sizes: The allowed sizes.
         world_size: Ranks in the pool.
         capacity: Tokens a rank may hold.
-        whole: Whether the pool is a group (:func:`~lightning_hydra.planner.mcore._finish`).
+        whole: Whether the pool is a group (:func:`~lightning_hydra.planner.mcore.finish_microbatch`).
     """
     g_size, g_load, g_packed = made
     pos = pend.tolist()
@@ -357,7 +357,7 @@ def _close(
         groups = [(s, z, [ids[p] for p in q]) for s, z, q in zip(_starts(filled), filled, members, strict=True)]
         return groups, pend[~placed]
     # the baseline's fill on its own state (it ends in one group of the whole pool)
-    mb = _MB(world_size)
+    mb = MegatronMicrobatch(world_size)
     for start, size, packed, load, group_seqs in zip(
         _starts(group_sizes), group_sizes, g_packed.tolist(), g_load.tolist(), members, strict=True
     ):
@@ -369,7 +369,7 @@ def _close(
     mb.next_free = next_free
     seqs = [(b.id_list[p], b.lens[p]) for p in pos]
     leftovers = [seqs[i] for i in np.flatnonzero(~placed).tolist()]
-    groups, rest = _finish(mb, seqs, leftovers, sizes, world_size, capacity, whole)
+    groups, rest = finish_microbatch(mb, seqs, leftovers, sizes, world_size, capacity, whole)
     position = {seq[0]: p for seq, p in zip(seqs, pos, strict=True)}
     return groups, np.asarray([position[i] for i, _ in rest], dtype=np.int64)
 
@@ -379,7 +379,7 @@ def _starts(group_sizes: list[int]) -> list[int]:
     return np.cumsum([0, *group_sizes[:-1]]).tolist()
 
 
-def _min_degrees(lengths: np.ndarray, capacity: int) -> np.ndarray:
+def min_degrees(lengths: np.ndarray, capacity: int) -> np.ndarray:
     """The baseline's minimum degree of every sequence (:func:`~lightning_hydra.planner.mcore._min_degree`: the
     power of two at or above ``ceil(L / capacity)``, doubled while the zigzag shard exceeds the capacity), for all
     of them at once."""
@@ -393,8 +393,9 @@ def _min_degrees(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def _fill(group_sizes: list[int], sizes: list[int], world_size: int, next_free: int) -> list[int] | None:
-    """The group sizes after the baseline's fill of the empty ranks (:func:`~lightning_hydra.planner.mcore._finish`),
-    or ``None`` where it cannot fill them (then it makes one group of the whole pool).
+    """The group sizes after the baseline's fill of the empty ranks
+    (:func:`~lightning_hydra.planner.mcore.finish_microbatch`), or ``None`` where it cannot fill them (then it makes
+    one group of the whole pool).
 
     The baseline doubles the first smallest group (creation order) until no rank is empty, shifting the groups after
     it; groups sit contiguously in creation order, so their starts stay the running sum of their sizes, and a group

@@ -19,9 +19,9 @@ from lightning_hydra.planner import compiled
 from lightning_hydra.planner.cost import CostModel
 
 if TYPE_CHECKING:
-    from lightning_hydra.planner.formation import DegreeSet, _Tables
+    from lightning_hydra.planner.tables import DegreeSet, Tables
 
-__all__ = ["REACH"]
+__all__ = ["REACH", "Microbatch", "place_multi"]
 
 REACH = 2
 """Classes above its own a multi-rank sequence may join (a larger group with room within the level)."""
@@ -41,11 +41,11 @@ _BIG = 1 << 62
 """A group number above any (the upper end of a bisection over ``(load, group)`` pairs)."""
 
 
-class _Microbatch:
+class Microbatch:
     """Groups of the microbatch being formed: Python lists (fast scalar updates) and, per class, the groups
     ordered by ``(load, group)``."""
 
-    def __init__(self, tab: _Tables, ds: DegreeSet, cost: CostModel, world_size: int, capacity: int) -> None:
+    def __init__(self, tab: Tables, ds: DegreeSet, cost: CostModel, world_size: int, capacity: int) -> None:
         self.tab, self.ds, self.cap = tab, ds, capacity
         self.exposure = cost.ring_exposure
         self.sizes = ds.sizes.tolist()
@@ -167,7 +167,7 @@ class _Microbatch:
 
 
 def _opening_run(
-    mb: _Microbatch, k: np.ndarray, size: np.ndarray, own: np.ndarray, base: np.ndarray, shards: np.ndarray,
+    mb: Microbatch, k: np.ndarray, size: np.ndarray, own: np.ndarray, base: np.ndarray, shards: np.ndarray,
     target: float,
 ) -> int:  # fmt: skip
     """How many of the next sequences (heaviest first; their class ``k`` and its size, load alone ``own``, and base
@@ -207,7 +207,7 @@ def _opening_run(
 
 
 def _certain_misses(
-    mb: _Microbatch, rows: np.ndarray, bounds: np.ndarray, size: np.ndarray, alone: np.ndarray
+    mb: Microbatch, rows: np.ndarray, bounds: np.ndarray, size: np.ndarray, alone: np.ndarray
 ) -> np.ndarray:
     """Which of the next sequences certainly find no place as the groups stand: in every class ``rows`` they may join,
     the lightest group is heavier than their ``bounds`` (the one-by-one best fit looks only at groups at or below
@@ -217,7 +217,7 @@ def _certain_misses(
     return (mb.mins[rows] > bounds).all(axis=1) & ((size > mb.free) | alone)
 
 
-def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: float, last: bool) -> list[int]:
+def place_multi(mb: Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: float, last: bool) -> list[int]:
     """Place multi-rank sequences (columns of the tables, heaviest first; ``k_arr`` their classes); return the ones
     that wait.
 
@@ -350,11 +350,11 @@ def _place_multi(mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, target: f
 
 
 def _compiled_multi(
-    mb: _Microbatch, seqs: np.ndarray, k_arr: np.ndarray, shards_a: np.ndarray, base_a: np.ndarray,
+    mb: Microbatch, seqs: np.ndarray, k_arr: np.ndarray, shards_a: np.ndarray, base_a: np.ndarray,
     net_a: np.ndarray, own_a: np.ndarray, need_size: np.ndarray, target: float, last: bool,
 ) -> list[int]:  # fmt: skip
-    """:func:`_place_multi` by :func:`~lightning_hydra.planner.compiled.place_multi` (the same groups) into the
-    empty microbatch ``mb``; the per-sequence arrays as :func:`_place_multi` reads them."""
+    """:func:`place_multi` by :func:`~lightning_hydra.planner.compiled.place_multi` (the same groups) into the
+    empty microbatch ``mb``; the per-sequence arrays as :func:`place_multi` reads them."""
     if mb.gk:
         raise ValueError("the compiled placement starts from a microbatch without groups")
     tab, n = mb.tab, seqs.size

@@ -270,9 +270,9 @@ then :func:`main` of the module as imported there (answers pickle under their im
 
 
 def _package_file() -> str:
-    import lightning_hydra
-
-    return str(Path(lightning_hydra.__file__).resolve())
+    """The ``__init__.py`` of the ``lightning_hydra`` this module belongs to (found from this file, so that the
+    planner does not import the package that imports it)."""
+    return str(Path(__file__).resolve().parents[1] / "__init__.py")
 
 
 def _said(proc: subprocess.Popen, exc: BaseException) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_hydra.metrics.monitor import RECORDS_FILE
+from lightning_hydra.metrics.record import RECORDS_FILE
 from lightning_hydra.report.plots import SERIES, save, series_figure, timeline_figure
 
 __all__ = ["find_runs", "load_run", "render_report", "summary_table"]

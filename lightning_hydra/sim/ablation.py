@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from lightning_hydra.recipes import recipe_path
 from lightning_hydra.sim.scenario import load_scenario
 from lightning_hydra.sim.simulate import simulate
 
@@ -42,8 +43,6 @@ POLICIES = ("mcore", "hydra")
 
 def run(recipe: str, steps: int | None) -> dict[str, Any]:
     """Every (scheduler, engine) of one scenario on the same batches."""
-    from lightning_hydra.cli import recipe_path
-
     base = load_scenario(recipe_path(recipe), steps=steps)
     out: dict[str, Any] = {"scenario": recipe, "name": base.name, "published": PUBLISHED[recipe], "runs": {}}
     for engine in ENGINES:

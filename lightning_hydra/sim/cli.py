@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_hydra.recipes import recipe_path
 from lightning_hydra.sim.scenario import load_scenario
 from lightning_hydra.sim.simulate import simulate
 from lightning_hydra.sim.truth import ENGINES
@@ -123,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validate", default=None, help="directory of recorded runs (runs/compare) to compare with")
     parser.add_argument("--full", action="store_true", help="include per-step results in the JSON")
     args = parser.parse_args(argv)
-    from lightning_hydra.cli import recipe_path
-
     overrides: dict[str, Any] = {
         "steps": args.steps,
         "job.gpus": args.gpus,
