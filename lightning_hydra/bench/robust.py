@@ -31,8 +31,13 @@ does not, the choice missed; where both fall short, no candidate reaches the tar
 efficiency *any* plan of the held-out batches can reach under the truth (:mod:`lightning_hydra.sim.ceiling`: perfect
 balance with every sequence at its cheapest degree; an upper bound, not a reachable target), with
 ``hydra_of_ceiling``; where the ceiling is below :data:`EFFICIENCY_TARGET`, no scheduler meets that target there.
-``loop_steps``: the efficiency of each closed-loop step under the truth (what a run pays while it calibrates, on its
-own batches), and ``loop_min_of_ceiling`` the lowest step's share of its own batch's ceiling.
+``waiting`` (and ``mcore_waiting`` for mcore's plans): the calibrated hydra's step under the truth split into
+``useful`` work, busy ``overhead`` and its waiting by cause (:mod:`lightning_hydra.sim.waiting`): ``single_bins``
+(single-rank bins above what the microbatch's work and heaviest CP group force), ``cp_groups`` (a CP group slower
+than an even split of the step's work), ``microbatch_split`` (a group in a microbatch lighter than the step's mean)
+and ``model_unseen`` (the waiting the calibrated model did not predict: calibration error); the summary averages
+them per context. ``loop_steps``: the efficiency of each closed-loop step under the truth (what a run pays while it
+calibrates, on its own batches), and ``loop_min_of_ceiling`` the lowest step's share of its own batch's ceiling.
 
 The truths are noise-free: a device's timer is not. ``--noise SIGMA`` multiplies every bin the closed loop times by
 its own lognormal factor of mean 1 (log-standard deviation ``SIGMA``, seeded per cell and step:
@@ -63,6 +68,7 @@ from lightning_hydra.sim.ceiling import efficiency_ceiling
 from lightning_hydra.sim.family import DEVICE_TRUTHS, RANDOM_PREFIX, TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import plan_times, useful_time
+from lightning_hydra.sim.waiting import CAUSES, waiting
 
 __all__ = [
     "EFFICIENCY_TARGET",
@@ -72,16 +78,19 @@ __all__ = [
     "MODELS",
     "RATIO_TARGETS",
     "analytic_cost",
+    "breakdown",
     "efficiency",
     "main",
     "measurement_noise",
     "run_pool",
 ]
 
-EFFICIENCY_TARGET = 0.90
-"""The efficiency the summary counts cells against (the planner's target at 256K contexts)."""
-RATIO_TARGETS = {"256K": 1.03, "32K": 1.00}
-"""Calibrated hydra / mcore the summary counts cells against, per context (the planner's targets)."""
+EFFICIENCY_TARGET = 0.93
+"""The efficiency the summary counts cells against (the planner's target at 512 ranks, 32K and 256K; 0.90 before
+issue 46 asked for 0.93)."""
+RATIO_TARGETS = {"256K": 1.03, "32K": 1.03}
+"""Calibrated hydra / mcore the summary counts cells against, per context (the planner's targets; 32K's was 1.00
+before issue 46 asked for 1.03 there too)."""
 
 LLAMA_70B = ModelShape(
     hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672, vocab_size=128256
@@ -105,6 +114,22 @@ def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> 
     )
     span = float(times.max(axis=1).sum())
     return useful / plan.world_size / span, times
+
+
+def breakdown(plan: Plan, hardware: Hardware, model: ModelShape, cost: CostModel) -> dict[str, float]:
+    """Shares of ``plan``'s step under the truth ``hardware``: useful work and every cause of
+    :data:`~lightning_hydra.sim.waiting.CAUSES` (``model_unseen`` against ``cost``'s predicted times)."""
+    times, _ = plan_times(plan, model=model, hardware=hardware, layers=model.num_layers, head_share=1.0)
+    useful = useful_time(
+        np.asarray(plan.lengths), model=model, hardware=hardware, layers=model.num_layers, head_share=1.0
+    )
+    predicted = predict(cost, plan_features(plan, cost), includes_comm=True)
+    return waiting(plan, times, useful, predicted).shares()
+
+
+def _mean_shares(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of every share over ``rows``, rounded."""
+    return {k: round(statistics.fmean(r[k] for r in rows), 4) for k in ("useful", *CAUSES)}
 
 
 def _plan(
@@ -259,6 +284,7 @@ def run_pool(
         seed = _noise_seed(world, context, dist, name, fill, mbs, seed_offset)
         cost = _closed_loop(loop, hw, world, context, mbs, model, steps_eff, noise, seed)
         cal, own_h, own_m, errors, picks, best, best_names = [], [], [], [], [], [], []
+        shares_h, shares_m = [], []
         for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
             plan, _ = _plan(lengths, "hydra", cost, world, context, mbs, model)
             e, times = efficiency(plan, hw, model)
@@ -270,6 +296,8 @@ def run_pool(
             own_m.append(mplan.efficiency(cost))
             errors.append(relative_error(predict(cost, plan_features(plan, cost), includes_comm=True), times.ravel()))
             picks.append(str(plan.stats.get("candidate", "")))
+            shares_h.append(breakdown(plan, hw, model, cost))
+            shares_m.append(breakdown(mplan, hw, model, cost))
         hydra = statistics.fmean(cal)
         cell["calibrated"] = {
             "hydra": round(hydra, 4),
@@ -282,6 +310,8 @@ def run_pool(
             "candidates": picks,
             "best_candidate_over_mcore": round(statistics.fmean(best) / eff["mcore"], 4),
             "best_candidates": best_names,
+            "waiting": _mean_shares(shares_h),
+            "mcore_waiting": _mean_shares(shares_m),
             "ceiling": round(ceiling, 4),
             "hydra_of_ceiling": round(hydra / ceiling, 4),
             "loop_steps": [round(e, 4) for e in steps_eff],
@@ -334,6 +364,10 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 (c["calibrated"]["loop_min_of_ceiling"] for c in mine if c["calibrated"].get("loop_steps")),
                 default=None,
             ),
+            "mean_calibrated_waiting": {
+                k: round(statistics.fmean(c["calibrated"]["waiting"][k] for c in mine), 4) for k in ("useful", *CAUSES)
+            },
+            "cells_below_efficiency_target": sum(c["calibrated"]["hydra"] < EFFICIENCY_TARGET for c in mine),
             "cells": len(mine),
         }
     return out
