@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hydra.cli_errors import argument_reason, current_rank, report_error
-from lightning_hydra.recipes import recipe_path
+from lightning_hydra.recipes import RECIPES, recipe_path
 
-__all__ = ["COMMANDS", "main", "recipe_path", "run"]
+__all__ = ["COMMANDS", "RECIPES", "main", "recipe_path", "run"]
 
 COMMANDS = {
     "fit": "train a HydraModule on a HydraDataModule (LightningCLI: --config, --trainer.*, --model.*, --data.*)",

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_hydra.cli import main, recipe_path
-from lightning_hydra.recipes import RECIPES
+from lightning_hydra.cli import RECIPES, main, recipe_path
 
 NOISE = ("Warning", "warn(", "Epoch 0/-2", "v_num", "FLOPs", "Tip:", "Traceback", "deprecated")
 """What a run must not print (issue 13): warnings not about the user's configuration, meaningless fields."""

@@ -32,6 +32,16 @@ def test_each_cause_is_the_waiting_its_rule_names():
     shares = w.shares()
     assert sum(shares.values()) == pytest.approx(1.0)
     assert "model_unseen" not in shares
+    assert w.no_token_room == 0.0  # no capacity given
+
+
+def test_waiting_on_full_ranks_has_no_token_room():
+    times = np.array([[10.0, 9.0, 2.0, 3.0], [5.0, 3.0, 4.0, 4.0]])
+    # tokens: microbatch 0 holds 4, 4, 2, 2 (the group splits 8); microbatch 1 holds 2 each. At capacity 4 only
+    # the group's ranks are full, and of them rank 1 waits 1; at capacity 3 the 2-token ranks have room for none
+    # of the 2-token sequences either
+    assert waiting(_plan(), times, useful=30.0, capacity=4).no_token_room == pytest.approx(1.0)
+    assert waiting(_plan(), times, useful=30.0, capacity=3).no_token_room == pytest.approx(1 + 8 + 7 + 0 + 2 + 1 + 1)
 
 
 def test_a_group_in_a_light_microbatch_is_the_split():
@@ -65,8 +75,9 @@ def test_breakdown_adds_up_on_a_planned_batch():
         lengths, world_size=64, num_microbatches=4, max_tokens_per_rank=capacity, cost=cost, num_heads=32,
         num_kv_heads=8, max_seq_len=longest,
     )  # fmt: skip
-    shares = breakdown(plan, truth("worst", 32), LLAMA_8B, cost)
+    shares = breakdown(plan, truth("worst", 32), LLAMA_8B, cost, capacity)
     assert set(shares) == {"useful", *CAUSES}
     parts = [shares[k] for k in ("useful", "single_bins", "cp_groups", "microbatch_split", "overhead")]
     assert sum(parts) == pytest.approx(1.0)
     assert min(parts) >= -1e-12
+    assert 0 <= shares["no_token_room"] <= 1 - shares["useful"] - shares["overhead"] + 1e-12

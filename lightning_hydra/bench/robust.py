@@ -35,9 +35,11 @@ balance with every sequence at its cheapest degree; an upper bound, not a reacha
 ``useful`` work, busy ``overhead`` and its waiting by cause (:mod:`lightning_hydra.sim.waiting`): ``single_bins``
 (single-rank bins above what the microbatch's work and heaviest CP group force), ``cp_groups`` (a CP group slower
 than an even split of the step's work), ``microbatch_split`` (a group in a microbatch lighter than the step's mean)
-and ``model_unseen`` (the waiting the calibrated model did not predict: calibration error); the summary averages
-them per context. ``loop_steps``: the efficiency of each closed-loop step under the truth (what a run pays while it
-calibrates, on its own batches), and ``loop_min_of_ceiling`` the lowest step's share of its own batch's ceiling.
+and ``model_unseen`` (the waiting the calibrated model did not predict: calibration error); ``no_token_room``: the
+waiting on ranks without room for the batch's shortest sequence (no move of a sequence can fill it; it overlaps
+the causes); the summary averages them per context. ``loop_steps``: the efficiency of each closed-loop step under
+the truth (what a run pays while it calibrates, on its own batches), and ``loop_min_of_ceiling`` the lowest step's
+share of its own batch's ceiling.
 
 The truths are noise-free: a device's timer is not. ``--noise SIGMA`` multiplies every bin the closed loop times by
 its own lognormal factor of mean 1 (log-standard deviation ``SIGMA``, seeded per cell and step:
@@ -116,15 +118,18 @@ def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> 
     return useful / plan.world_size / span, times
 
 
-def breakdown(plan: Plan, hardware: Hardware, model: ModelShape, cost: CostModel) -> dict[str, float]:
+def breakdown(
+    plan: Plan, hardware: Hardware, model: ModelShape, cost: CostModel, capacity: int | None = None
+) -> dict[str, float]:
     """Shares of ``plan``'s step under the truth ``hardware``: useful work and every cause of
-    :data:`~lightning_hydra.sim.waiting.CAUSES` (``model_unseen`` against ``cost``'s predicted times)."""
+    :data:`~lightning_hydra.sim.waiting.CAUSES` (``model_unseen`` against ``cost``'s predicted times,
+    ``no_token_room`` at ``capacity`` tokens per rank)."""
     times, _ = plan_times(plan, model=model, hardware=hardware, layers=model.num_layers, head_share=1.0)
     useful = useful_time(
         np.asarray(plan.lengths), model=model, hardware=hardware, layers=model.num_layers, head_share=1.0
     )
     predicted = predict(cost, plan_features(plan, cost), includes_comm=True)
-    return waiting(plan, times, useful, predicted).shares()
+    return waiting(plan, times, useful, predicted, capacity).shares()
 
 
 def _mean_shares(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -296,8 +301,8 @@ def run_pool(
             own_m.append(mplan.efficiency(cost))
             errors.append(relative_error(predict(cost, plan_features(plan, cost), includes_comm=True), times.ravel()))
             picks.append(str(plan.stats.get("candidate", "")))
-            shares_h.append(breakdown(plan, hw, model, cost))
-            shares_m.append(breakdown(mplan, hw, model, cost))
+            shares_h.append(breakdown(plan, hw, model, cost, CONTEXTS[context][1]))
+            shares_m.append(breakdown(mplan, hw, model, cost, CONTEXTS[context][1]))
         hydra = statistics.fmean(cal)
         cell["calibrated"] = {
             "hydra": round(hydra, 4),

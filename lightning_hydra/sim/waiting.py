@@ -19,6 +19,11 @@ FLOP time (:func:`~lightning_hydra.sim.truth.useful_time`) is the efficiency; th
 
   A microbatch without multi-rank groups takes ``G_m = 0``. The three add up to the waiting exactly.
 
+Of the waiting, ``no_token_room`` is the part on ranks whose free tokens (capacity minus what the rank holds,
+:meth:`~lightning_hydra.planner.Plan.tokens`) are fewer than the batch's shortest sequence: no move of a sequence
+can fill it at the plan's degrees, only other degrees or another membership of the slowest groups (it overlaps the
+three causes; it is not added to them).
+
 Given the model's predicted times of the same bins, ``model_unseen`` is the share of the step the truth waits that
 the model did not predict (truth's waiting share minus the model's): the part of the waiting owed to calibration
 error. Shares are of ``N * span``; ``useful + overhead + cp_groups + microbatch_split + single_bins == 1``.
@@ -34,7 +39,7 @@ from lightning_hydra.planner.plan import Plan
 
 __all__ = ["CAUSES", "Waiting", "waiting"]
 
-CAUSES = ("single_bins", "cp_groups", "microbatch_split", "overhead", "model_unseen")
+CAUSES = ("single_bins", "cp_groups", "microbatch_split", "overhead", "no_token_room", "model_unseen")
 """The columns :meth:`Waiting.shares` reports, besides ``useful``."""
 
 
@@ -54,6 +59,9 @@ class Waiting:
     """Waiting per microbatch forced by a CP group in a microbatch lighter than the step's mean."""
     total: float
     """``N * span``: the step's rank-seconds."""
+    no_token_room: float = 0.0
+    """Waiting rank-seconds on ranks with fewer free tokens than the batch's shortest sequence (``capacity``
+    given; else 0)."""
     model_unseen: float | None = None
     """Truth's waiting share minus the model's predicted waiting share (``None`` without predicted times)."""
 
@@ -65,13 +73,16 @@ class Waiting:
             "cp_groups": float(self.cp_groups.sum()) / self.total,
             "microbatch_split": float(self.microbatch_split.sum()) / self.total,
             "overhead": self.overhead / self.total,
+            "no_token_room": self.no_token_room / self.total,
         }
         if self.model_unseen is not None:
             out["model_unseen"] = self.model_unseen
         return out
 
 
-def waiting(plan: Plan, times: np.ndarray, useful: float, predicted: np.ndarray | None = None) -> Waiting:
+def waiting(
+    plan: Plan, times: np.ndarray, useful: float, predicted: np.ndarray | None = None, capacity: int | None = None
+) -> Waiting:
     """Split ``plan``'s step under a truth into useful work, overhead and the causes of waiting (module docstring).
 
     Args:
@@ -79,6 +90,7 @@ def waiting(plan: Plan, times: np.ndarray, useful: float, predicted: np.ndarray 
         times: Its ``[M, N]`` rank times under the truth (communication included).
         useful: The batch's useful FLOP time on one device (``useful_time``), summed over the sequences.
         predicted: The model's ``[M, N]`` predicted times of the same bins, for ``model_unseen``; ``None``: skip it.
+        capacity: Tokens a rank may hold in a microbatch, for ``no_token_room``; ``None``: skip it (0).
     """
     times = np.asarray(times, dtype=np.float64)
     if times.shape != (plan.num_microbatches, plan.world_size):
@@ -101,6 +113,10 @@ def waiting(plan: Plan, times: np.ndarray, useful: float, predicted: np.ndarray 
         pred = np.asarray(predicted, dtype=np.float64).reshape(times.shape)
         idle_pred = 1.0 - float(pred.sum()) / (n * float(pred.max(axis=1).sum()))
         unseen = (1.0 - float(times.sum()) / total) - idle_pred
+    stuck = 0.0
+    if capacity is not None:
+        full = capacity - plan.tokens() < min(plan.lengths)
+        stuck = float(((top[:, None] - times) * full).sum())
     return Waiting(
         useful=useful,
         overhead=float(times.sum()) - useful,
@@ -109,4 +125,5 @@ def waiting(plan: Plan, times: np.ndarray, useful: float, predicted: np.ndarray 
         microbatch_split=split,
         total=total,
         model_unseen=unseen,
+        no_token_room=stuck,
     )
