@@ -63,6 +63,10 @@ DEVICE_TRUTHS: dict[str, dict[str, float | bool]] = {
     "a100": {"peak_flops": 312e12, "intra_node_bandwidth": 240e9, "inter_node_bandwidth": 25e9},
     "fastgpu": {"peak_flops": 2.5e15},
     "node4": {"gpus_per_node": 4},
+    "node16": {"gpus_per_node": 16},
+    "tile1024": {"attn_tile_tokens": 1024.0},
+    "a2a-lat": {"a2a_latency": 150e-6},
+    "ring-lat": {"p2p_latency": 100e-6, "ring_step_overhead": 100e-6},
     "mix": {
         "gemm_half_tokens": 1024.0,
         "attn_half_len": 2048.0,
@@ -76,8 +80,11 @@ DEVICE_TRUTHS: dict[str, dict[str, float | bool]] = {
 values): GEMMs at half efficiency at 2,048 tokens (``gemm2k``: a fixed cost per bin that dense packing saves),
 attention at half efficiency at 4,096-token chunks (``attn4k``), 10x launch and ring-step overheads (``launch``),
 100 us per collective call (``lat100``), an A100-class device (``a100``: 312 TFLOP/s, 240 and 25 GB/s), compute
-2.5x faster over the same links (``fastgpu``), 4 devices per node while the planner assumes 8 (``node4``), and
-several at once (``mix``)."""
+2.5x faster over the same links (``fastgpu``), 4 or 16 devices per node while the planner assumes 8 (``node4``,
+``node16``), attention no faster below 1,024 tokens per rank (``tile1024``), an all-to-all call 10x slower than
+the base device's while ring steps keep theirs (``a2a-lat``: 150 us) and ring steps dearer than the all-to-all
+(``ring-lat``: 100 us a transfer and 100 us a step), and several at once (``mix``). ``node16`` to ``ring-lat`` were
+added by issue 46 for the waiting's breakdown at 32K (truths the planner was not tuned against)."""
 
 
 RANDOM_PREFIX = "random"
