@@ -12,6 +12,7 @@ import torch
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.errors import ConfigError
+from lightning_hydra.strategy.prelaunch import preflight
 from lightning_hydra.strategy.tensor import check_tensor_parallel
 from lightning_hydra.testing import quiet_trainer
 
@@ -121,3 +122,14 @@ def test_bad_tensor_parallel_is_one_line(tensor: int, kw: dict, message: str) ->
         check_tensor_parallel(tensor, **kw)
     assert "\n" not in str(info.value)
 
+
+def test_bad_tensor_parallel_stops_before_launch() -> None:
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
+    strategy.parallel_devices = [torch.device("cpu")] * 6  # 6 ranks on one node of 4: TP 2 divides it
+    model = DecoderLM(hidden_size=48, num_heads=6, num_kv_heads=3)
+    with pytest.raises(ConfigError, match="does not divide the model's 3 KV heads"):
+        preflight(strategy, model, None)
+    with pytest.raises(ConfigError, match="does not divide ranks_per_node=4"):
+        HydraStrategy(tensor_parallel=3, ranks_per_node=4)
+    with pytest.raises(ValueError, match="tensor_parallel > 1 runs with sharding='none'"):
+        HydraStrategy(tensor_parallel=2, sharding="zero2")
