@@ -11,10 +11,14 @@ import pytest
 import torch
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
+from lightning_hydra.cp import CPContext
 from lightning_hydra.errors import ConfigError
+from lightning_hydra.planner import BatchPlanner, CostModel, PlannerConfig
+from lightning_hydra.planner.memory import LLAMA3_8B, activation_bytes_per_token, memory_capacity, model_state_bytes
+from lightning_hydra.strategy.capacity import memory_shape
 from lightning_hydra.strategy.prelaunch import preflight
-from lightning_hydra.strategy.tensor import check_tensor_parallel
-from lightning_hydra.testing import quiet_trainer
+from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, tensor_mesh
+from lightning_hydra.testing import quiet_trainer, run_world
 
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
 
@@ -133,3 +137,104 @@ def test_bad_tensor_parallel_stops_before_launch() -> None:
         HydraStrategy(tensor_parallel=3, ranks_per_node=4)
     with pytest.raises(ValueError, match="tensor_parallel > 1 runs with sharding='none'"):
         HydraStrategy(tensor_parallel=2, sharding="zero2")
+
+
+def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:
+    """Bytes per token of the distinct tensors autograd saves in one forward on this TP rank (local shards;
+    parameters excluded), for both checkpointing modes."""
+    from torch.distributed.tensor import DTensor
+
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    torch.manual_seed(0)
+    model = DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384).to(dtype)
+    parallelize(model, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"])
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    tokens, out = 512, {}
+    for mode in ("none", "selective"):
+        model.set_activation_checkpointing(mode)
+        seen: dict[int, int] = {}
+
+        def pack(x: torch.Tensor, seen=seen) -> torch.Tensor:
+            storage = local(x).untyped_storage()
+            if x.numel():
+                seen[storage.data_ptr()] = storage.nbytes()
+            return x
+
+        ids = torch.randint(0, 250, (tokens,))
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x),
+            model.local_cp.use(CPContext.local_group(), [0, tokens]),
+        ):
+            model(ids, torch.arange(tokens), labels=ids)
+        out[mode] = sum(v for k, v in seen.items() if k not in params) / tokens
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tp_activation_model_matches_what_autograd_saves(dtype: torch.dtype) -> None:
+    measured = run_world(2, _saved_on_tp_rank, dtype)
+    assert measured[0] == measured[1]
+    shape = memory_shape(DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384))
+    precision = "32-true" if dtype == torch.float32 else "bf16-true"
+    for mode, saved in measured[0].items():
+        tp = activation_bytes_per_token(shape, checkpointing=mode, precision=precision, tensor_parallel=2)
+        assert tp["blocks"] + tp["once"] == pytest.approx(saved, rel=0.02), mode
+        whole = activation_bytes_per_token(shape, checkpointing=mode, precision=precision)
+        assert tp["blocks"] < whole["blocks"]
+
+
+def test_memory_and_cost_models_know_tensor_parallelism() -> None:
+    kw = {"sharding": "zero2", "precision": "bf16-mixed", "world_size": 8, "ranks_per_node": 1, "num_microbatches": 8}
+    assert model_state_bytes(LLAMA3_8B, tensor_parallel=1, **kw) == model_state_bytes(LLAMA3_8B, **kw)
+    tp8 = model_state_bytes(LLAMA3_8B, tensor_parallel=8, **kw)
+    whole = 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.hidden_size  # embedding and head stay whole on every TP rank
+    expected = LLAMA3_8B.num_params - LLAMA3_8B.num_layers * LLAMA3_8B.projection_params * 7 / 8
+    assert tp8["optimizer"] == pytest.approx(8 * expected / 8)  # AdamW's 8 bytes per parameter over 8 pool ranks
+    assert expected > whole
+    caps = {
+        t: memory_capacity(LLAMA3_8B, budget=80e9, checkpointing="selective", tensor_parallel=t, **kw).capacity
+        for t in (1, 8)
+    }
+    assert caps[8] > 4 * caps[1]
+
+    shape = {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336}
+    assert CostModel.for_transformer(**shape, tensor_parallel=1) == CostModel.for_transformer(**shape)
+    one, eight = CostModel.for_transformer(**shape), CostModel.for_transformer(**shape, tensor_parallel=8)
+    assert eight.attn == pytest.approx(one.attn / 8)
+    assert eight.a2a_bytes_per_token == pytest.approx(one.a2a_bytes_per_token / 8)
+    free = CostModel.for_transformer(**shape, tensor_parallel=8, intra_node_bandwidth=float("inf"))
+    assert one.linear / 8 < free.linear < eight.linear  # the head stays whole; TP's all-reduces cost time
+    # a TP-8 rank is faster: the same batch plans to a shorter predicted step
+    lengths = torch.randint(100, 20000, (64,), generator=torch.Generator().manual_seed(0)).numpy()
+    steps = []
+    for t, cost in ((1, one), (8, eight)):  # 16 pool positions: 16 GPUs, or 16 TP groups of 8
+        config = PlannerConfig(policy="hydra", max_tokens_per_rank=16384, num_microbatches=4, ranks_per_node=8 // t)
+        plan = BatchPlanner(config=config, world_size=16, num_heads=32 // t).plan(lengths, seed=0, cost=cost)
+        steps.append(float(plan.loads(cost).max(axis=1).sum()))
+    assert steps[1] < steps[0]
+
+
+def test_auto_capacity_counts_tensor_parallelism() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    capacities = {}
+    for tensor in (1, 2):
+        env = LightningEnvironment()
+        env.set_world_size(4)
+        env.set_global_rank(0)
+        strategy = HydraStrategy(
+            parallel_devices=[torch.device("cpu")] * 4,
+            cluster_environment=env,
+            max_tokens_per_rank="auto",
+            memory_budget="64MB",
+            ranks_per_node=4,
+            tensor_parallel=tensor,
+        )
+        strategy.connect(DecoderLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
+        strategy._resolve_capacity(ulysses_blocks=1)
+        capacities[tensor] = strategy.planner_config.max_tokens_per_rank
+        assert strategy.planner_config.ranks_per_node == 4 // tensor  # pool positions per node
+    assert capacities[2] > capacities[1] > 0  # half the projections and most activations per rank
+

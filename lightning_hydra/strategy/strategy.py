@@ -143,7 +143,7 @@ class HydraStrategy(ParallelStrategy):
             tensor_parallel: TP degree ``T`` (``T`` consecutive ranks inside a node split every block by torch's
                 ``parallelize_module``; plans are made for the ``world / T`` pool positions and the CP groups formed
                 per TP rank); see :mod:`lightning_hydra.strategy.tensor`. The reference decoder only, with
-                replicas (``sharding="none"``), one pipeline stage and an explicit ``max_tokens_per_rank``.
+                replicas (``sharding="none"``) and one pipeline stage.
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -187,10 +187,8 @@ class HydraStrategy(ParallelStrategy):
         self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
         self.tensor_parallel = _positive_int("tensor_parallel", tensor_parallel)
         check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
-        if self.tensor_parallel > 1 and (sharding != "none" or pipeline_stages > 1 or self.auto_capacity):
-            raise ValueError(
-                "tensor_parallel > 1 runs with sharding='none', pipeline_stages=1 and an explicit max_tokens_per_rank"
-            )
+        if self.tensor_parallel > 1 and (sharding != "none" or pipeline_stages > 1):
+            raise ValueError("tensor_parallel > 1 runs with sharding='none' and pipeline_stages=1")
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -344,11 +342,12 @@ class HydraStrategy(ParallelStrategy):
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
             sharding=self.sharding,
             checkpointing=self.activation_checkpointing,
-            pool=self.world_size // self.pipeline_stages,
+            pool=self.world_size // (self.pipeline_stages * self.tensor_parallel),
             ranks_per_node=self.planner_config.ranks_per_node,
             num_microbatches=self.planner_config.num_microbatches,
             pipeline_stages=self.pipeline_stages,
             ulysses_blocks=ulysses_blocks,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def _resolve_capacity(self, ulysses_blocks: int) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hydra.cp.groups import aligned_blocks
 from lightning_hydra.metrics.record import StepGather
-from lightning_hydra.planner import Group
+from lightning_hydra.planner import CostModel, Group
 from lightning_hydra.strategy.checks import check_digests
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.runtime import GradientSync
@@ -93,6 +93,17 @@ class TensorPoolRuntime(PoolRuntime):
         """``(num_heads, num_kv_heads)`` of one TP rank's attention (what Ulysses splits)."""
         heads, kv_heads = super().heads
         return (None if heads is None else heads // self.tensor, None if kv_heads is None else kv_heads // self.tensor)
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model plans use now: given, calibrated, or the module's analytic one for a TP rank."""
+        if self._cost is None:
+            self._cost = self._with_node(self.module.cost_model(tensor_parallel=self.tensor))  # type: ignore[union-attr]
+        return self._cost
+
+    @cost_model.setter
+    def cost_model(self, cost: CostModel) -> None:
+        PoolRuntime.cost_model.fset(self, cost)  # type: ignore[attr-defined]
 
     @property
     def world(self) -> int:
