@@ -238,3 +238,24 @@ def test_auto_capacity_counts_tensor_parallelism() -> None:
         assert strategy.planner_config.ranks_per_node == 4 // tensor  # pool positions per node
     assert capacities[2] > capacities[1] > 0  # half the projections and most activations per rank
 
+
+LLAMA3_70B_ARGS = ["--hidden-size", "8192", "--num-layers", "80", "--num-heads", "64", "--num-kv-heads", "8",
+                   "--ffn-size", "28672"]  # fmt: skip
+
+
+def test_plan_command_sizes_a_70b_shape_at_tensor_parallel_8(capsys) -> None:
+    from lightning_hydra.cli import main
+
+    base = ["plan", "--world-size", "32", "--context", "262144", "--memory", "80GB", *LLAMA3_70B_ARGS, "--json"]
+    assert main([*base, "--tensor-parallel", "8"]) == 0
+    tp8 = json.loads(capsys.readouterr().out)
+    assert main(base) == 0
+    whole = json.loads(capsys.readouterr().out)
+    # Llama-3-70B on 80 GB: 16K+ tokens per rank at TP 8 with zero3 and selective checkpointing; without TP none
+    assert tp8["memory"]["capacity"] == tp8["memory"]["capacities"]["zero3"]["selective"] >= 16384
+    assert whole["memory"]["capacities"]["zero3"]["selective"] < tp8["memory"]["capacity"] / 4
+    assert main(["plan", "--tensor-parallel", "3"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the error on one line
+    assert "error: --tensor-parallel: tensor_parallel=3 does not divide ranks_per_node=8" in last
+    assert main(["plan", "--tensor-parallel", "8", "--num-kv-heads", "4"]) == 2
+    assert "does not divide the model's 4 KV heads; use one of [1, 2, 4]" in capsys.readouterr().err
