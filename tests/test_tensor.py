@@ -90,20 +90,27 @@ def _strategy(**kw) -> HydraStrategy:
     )
 
 
-def test_tp2_pool2_trains_like_one_process(tmp_path: Path) -> None:
-    reference = make_model()
-    ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, DecoderLM]:
     model = make_model()
-    # the static policy at one degree over 6 microbatches leaves pool positions idle in some microbatches (their
-    # whole TP group sits out together: TP's collectives stay aligned)
-    strategy = _strategy(tensor_parallel=2, policy="static", num_microbatches=6)
+    return _fit(tmp_path_factory.mktemp("ref"), "ref", model, 1, 3)[0], model
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero2", "zero3"])
+def test_tp2_pool2_trains_like_one_process(tmp_path: Path, reference, sharding: str) -> None:
+    ref, reference_model = reference
+    model = make_model()
+    # the static policy at one degree over 6 microbatches leaves pool positions idle in some microbatches: their
+    # whole TP group sits out together (replicas), or runs a zero-token pass together (zero2's last microbatch), so
+    # TP's collectives stay aligned
+    strategy = _strategy(tensor_parallel=2, policy="static", num_microbatches=6, sharding=sharding)
     ranks = _fit(tmp_path, "tp", model, 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert max(ranks[0]["norms"]) > 0.2  # clipping changed the update (and stayed exact)
     assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
     assert sum(r["idle"] for r in ranks) > 0  # some ranks were idle in some microbatch
     assert "DTensor" in ranks[0]["kinds"]  # the projections really are TP shards
-    for name, p in reference.named_parameters():
+    for name, p in reference_model.named_parameters():
         expected = p.detach()
         for rank in ranks:
             got = torch.tensor(rank["params"][name], dtype=expected.dtype)
@@ -135,8 +142,8 @@ def test_bad_tensor_parallel_stops_before_launch() -> None:
         preflight(strategy, model, None)
     with pytest.raises(ConfigError, match="does not divide ranks_per_node=4"):
         HydraStrategy(tensor_parallel=3, ranks_per_node=4)
-    with pytest.raises(ValueError, match="tensor_parallel > 1 runs with sharding='none'"):
-        HydraStrategy(tensor_parallel=2, sharding="zero2")
+    with pytest.raises(ValueError, match="tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'"):
+        HydraStrategy(tensor_parallel=2, sharding="hsdp")
 
 
 def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:

@@ -143,7 +143,8 @@ class HydraStrategy(ParallelStrategy):
             tensor_parallel: TP degree ``T`` (``T`` consecutive ranks inside a node split every block by torch's
                 ``parallelize_module``; plans are made for the ``world / T`` pool positions and the CP groups formed
                 per TP rank); see :mod:`lightning_hydra.strategy.tensor`. The reference decoder only, with
-                replicas (``sharding="none"``) and one pipeline stage.
+                ``sharding`` ``"none"``, ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's ``"pool"`` dimension, as
+                torchtitan composes them) and one pipeline stage.
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -187,8 +188,8 @@ class HydraStrategy(ParallelStrategy):
         self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
         self.tensor_parallel = _positive_int("tensor_parallel", tensor_parallel)
         check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
-        if self.tensor_parallel > 1 and (sharding != "none" or pipeline_stages > 1):
-            raise ValueError("tensor_parallel > 1 runs with sharding='none' and pipeline_stages=1")
+        if self.tensor_parallel > 1 and (sharding == "hsdp" or pipeline_stages > 1):
+            raise ValueError("tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3' and pipeline_stages=1")
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -405,13 +406,17 @@ class HydraStrategy(ParallelStrategy):
         if self.runtime.sharding is not None:
             return  # a second fit of the same strategy: the model is sharded already
         assert self.layout is not None
-        mesh = build_mesh(
-            self.sharding,
-            self.layout.pool,
-            min(self.planner_config.ranks_per_node, self.layout.pool),
-            self.root_device.type,
-            stages=self.layout.stages,
-        )
+        if isinstance(self.runtime, TensorPoolRuntime):  # FSDP2 over the pool dimension of the TP mesh
+            assert self.runtime.mesh is not None
+            mesh = self.runtime.mesh["pool"]
+        else:
+            mesh = build_mesh(
+                self.sharding,
+                self.layout.pool,
+                min(self.planner_config.ranks_per_node, self.layout.pool),
+                self.root_device.type,
+                stages=self.layout.stages,
+            )
         mixed = str(getattr(self.precision_plugin, "precision", "")) == "bf16-mixed"
         self.runtime.sharding = shard_model(model, self.sharding, mesh, mixed_precision=mixed)
         rank_zero_info(

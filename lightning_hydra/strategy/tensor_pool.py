@@ -152,7 +152,10 @@ class TensorPoolRuntime(PoolRuntime):
             self.cache.warm_up(self.world_rank, self.device)
 
     def gradient_sync(self, module: nn.Module) -> GradientSync:
-        """The sum of local gradient shards over the pool (built once; rebuilt if the parameters change)."""
+        """FSDP's reduce-scatter over the pool for a sharded model; otherwise the sum of local gradient shards over
+        the pool (built once; rebuilt if the parameters change)."""
+        if self.sharding is not None:
+            return super().gradient_sync(module)
         params = [p for p in module.parameters() if p.requires_grad]
         if self._tensor_sync is None or [id(p) for p in self._tensor_sync.params] != [id(p) for p in params]:
             assert self.stage_group is not None, "TensorPoolRuntime.setup has not run"
