@@ -266,3 +266,35 @@ def test_plan_command_sizes_a_70b_shape_at_tensor_parallel_8(capsys) -> None:
     assert "error: --tensor-parallel: tensor_parallel=3 does not divide ranks_per_node=8" in last
     assert main(["plan", "--tensor-parallel", "8", "--num-kv-heads", "4"]) == 2
     assert "does not divide the model's 4 KV heads; use one of [1, 2, 4]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_checkpoint_reshards_between_tensor_parallel_degrees(tmp_path: Path, saved: int, resumed: int) -> None:
+    """A distributed checkpoint (zero2, AdamW) saved at TP ``saved`` x pool 2 resumes at TP ``resumed`` x pool 2:
+    the resumed step 3 equals the uninterrupted run's (parameters and the AdamW moments they were stepped with)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def model() -> DecoderLM:
+        torch.manual_seed(99)
+        return DecoderLM(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, lr=3e-3, max_grad_norm=0.2)
+
+    def strategy(tensor: int) -> HydraStrategy:
+        return _strategy(tensor_parallel=tensor, sharding="zero2", num_microbatches=2, capacity=256)
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1, filename="stop")
+    out = tmp_path / "full.json"
+    trainer = quiet_trainer(
+        2 * saved, strategy(saved), callbacks=[Record(out), ckpt], max_steps=3, enable_checkpointing=True
+    )
+    trainer.fit(model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
+    full = [json.loads(Path(f"{out}.rank0").read_text())]
+    path = tmp_path / "ckpt" / "stop.ckpt"
+    assert path.is_dir()  # a torch.distributed.checkpoint directory
+    out = tmp_path / "resumed.json"
+    trainer = quiet_trainer(2 * resumed, strategy(resumed), callbacks=[Record(out)], max_steps=3)
+    trainer.fit(model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5), ckpt_path=str(path))
+    again = json.loads(Path(f"{out}.rank0").read_text())
+    assert len(again["losses"]) == 1  # only step 3 ran
+    assert again["losses"][0] == pytest.approx(full[0]["losses"][-1], rel=1e-5)
+    for name, values in full[0]["params"].items():
+        torch.testing.assert_close(torch.tensor(again["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-7)
