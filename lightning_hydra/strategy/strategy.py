@@ -144,7 +144,7 @@ class HydraStrategy(ParallelStrategy):
                 ``parallelize_module``; plans are made for the ``world / T`` pool positions and the CP groups formed
                 per TP rank); see :mod:`lightning_hydra.strategy.tensor`. The reference decoder only, with
                 ``sharding`` ``"none"``, ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's ``"pool"`` dimension, as
-                torchtitan composes them) and one pipeline stage.
+                torchtitan composes them); with pipeline stages, stage ``s``'s blocks are split after the stage split.
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -188,8 +188,8 @@ class HydraStrategy(ParallelStrategy):
         self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
         self.tensor_parallel = _positive_int("tensor_parallel", tensor_parallel)
         check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
-        if self.tensor_parallel > 1 and (sharding == "hsdp" or pipeline_stages > 1):
-            raise ValueError("tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3' and pipeline_stages=1")
+        if self.tensor_parallel > 1 and sharding == "hsdp":
+            raise ValueError("tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'")
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -372,11 +372,6 @@ class HydraStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         sync_module_states(self.model, self.root_device)
-        if isinstance(self.runtime, TensorPoolRuntime) and not self._parallelized:
-            assert self.runtime.mesh is not None
-            blocks = parallelize(self.model, self.runtime.mesh["tp"])
-            self._parallelized = True  # the model is split once, whatever fits follow
-            rank_zero_info(f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks")
         if self.pipeline_stages > 1 and self.runtime is not None and not self._staged:
             split = getattr(self.model, "pipeline_stage", None)
             if not callable(split):
@@ -384,6 +379,11 @@ class HydraStrategy(ParallelStrategy):
             split(self.runtime.stage, self.pipeline_stages)
             self._staged = True
             rank_zero_info(f"HydraStrategy: {self.pipeline_stages} pipeline stages of {self.runtime.world_size} ranks")
+        if isinstance(self.runtime, TensorPoolRuntime) and not self._parallelized:
+            assert self.runtime.mesh is not None
+            blocks = parallelize(self.model, self.runtime.mesh["tp"])
+            self._parallelized = True  # the model is split once, whatever fits follow
+            rank_zero_info(f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks")
         self._setup_memory(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -21,6 +21,7 @@ from lightning_hydra.cp.groups import aligned_blocks
 from lightning_hydra.metrics.record import StepGather
 from lightning_hydra.planner import CostModel, Group
 from lightning_hydra.strategy.checks import check_digests
+from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.runtime import GradientSync
 from lightning_hydra.strategy.tensor import tensor_mesh
@@ -72,6 +73,9 @@ class TensorPoolRuntime(PoolRuntime):
 
     ``global_rank`` and ``world_size`` stay this rank's pool position and the pool's size (what plans are made
     for); ``world_rank`` is the rank in the default process group, ``tensor_rank`` its index in its TP group.
+    :attr:`positions` is the stages x pool positions layout plans are made for; :attr:`layout` the stages x
+    ``pool * T`` global ranks (stage ``s`` is global ranks ``[s * pool * T, (s + 1) * pool * T)``), so that the
+    pipeline's links, the stage sums and the world gathers of :class:`PoolRuntime` address global ranks.
     """
 
     def __init__(self, *, tensor: int, world_rank: int, **kwargs: Any) -> None:
@@ -81,11 +85,16 @@ class TensorPoolRuntime(PoolRuntime):
         **kwargs: See :class:`~lightning_hydra.strategy.pool.PoolRuntime` (``layout``: stages x pool positions).
         """
         super().__init__(world_rank=world_rank // tensor, **kwargs)  # stage and offset in pool positions
+        self.positions = self.layout
+        """Stages x pool positions (what plans are made for)."""
+        self.layout = PipelineLayout(stages=self.positions.stages, pool=self.positions.pool * tensor)
         self.tensor = tensor
         self.tensor_rank = world_rank % tensor
         self.world_rank = world_rank
         self.mesh: DeviceMesh | None = None
         """The device mesh ``("pp", "pool", "tp")`` (after :meth:`setup`)."""
+        self.tensor_equal_group: dist.ProcessGroup | None = None
+        """The ranks of this TP index in every stage (after :meth:`setup`): losses are summed over it."""
         self._tensor_sync: TensorGradientSync | None = None
 
     @property
@@ -108,15 +117,15 @@ class TensorPoolRuntime(PoolRuntime):
     @property
     def world(self) -> int:
         """Ranks of the default process group (every stage, position and TP rank)."""
-        return self.layout.world_size * self.tensor
+        return self.layout.world_size
 
     def _ranks(self, positions: tuple[int, ...], stage: int, tensor_rank: int) -> tuple[int, ...]:
-        base = stage * self.layout.pool
+        base = stage * self.positions.pool
         return tuple((base + p) * self.tensor + tensor_rank for p in positions)
 
     def _copies(self, positions: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Global ranks of a group of positions in every stage and TP index, in one global order."""
-        return [self._ranks(positions, s, t) for s in range(self.layout.stages) for t in range(self.tensor)]
+        return [self._ranks(positions, s, t) for s in range(self.positions.stages) for t in range(self.tensor)]
 
     def setup(self) -> int:
         """Create the device mesh (its ``"pool"`` dimension is the gradient sum's group), then every TP index's copy
@@ -124,9 +133,15 @@ class TensorPoolRuntime(PoolRuntime):
         created."""
         if self.mesh is None:
             self.mesh = tensor_mesh(
-                self.device.type, stages=self.layout.stages, pool=self.layout.pool, tensor=self.tensor
+                self.device.type, stages=self.positions.stages, pool=self.positions.pool, tensor=self.tensor
             )
             self.stage_group = self.mesh["pool"].get_group()
+            self.tensor_equal_group = self.stage_group
+            if self.stages > 1:  # every rank creates every TP index's group (all stages), in order
+                for t in range(self.tensor):
+                    pg = dist.new_group(list(range(t, self.world, self.tensor)))
+                    if t == self.tensor_rank:
+                        self.tensor_equal_group = pg
         local = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
         made = self.cache.create(copy for block in local for copy in self._copies(block))
         if made:
@@ -163,15 +178,9 @@ class TensorPoolRuntime(PoolRuntime):
         return self._tensor_sync
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum of a tensor over the pool (TP ranks hold the same value: each is counted once)."""
+        """Sum of a tensor over the pool of every stage (TP ranks hold the same value: each is counted once)."""
         out = value.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.stage_group)
-        return out
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every pool position's ``obj`` (this TP index's ranks), in position order."""
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.stage_group)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.tensor_equal_group)
         return out
 
     def _gather_rows(self, row: np.ndarray) -> np.ndarray:
