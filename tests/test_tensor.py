@@ -309,3 +309,27 @@ def test_checkpoint_reshards_between_tensor_parallel_degrees(tmp_path: Path, sav
     assert again["losses"][0] == pytest.approx(full[0]["losses"][-1], rel=1e-5)
     for name, values in full[0]["params"].items():
         torch.testing.assert_close(torch.tensor(again["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-7)
+
+
+def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path) -> None:
+    """A Hugging Face Llama model splits by the same plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj)."""
+    from lightning_hydra.models.hf import HFCausalLM
+
+    config = {"model_type": "llama", "vocab_size": 258, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512}  # fmt: skip
+
+    def model() -> HFCausalLM:
+        torch.manual_seed(7)
+        return HFCausalLM(config=config, lr=1.0, max_grad_norm=0.2, optimizer="sgd")
+
+    reference = model()
+    ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
+    ranks = _fit(tmp_path, "tp", model(), 4, 3, _strategy(tensor_parallel=2, num_microbatches=4))
+    assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    assert "DTensor" in ranks[0]["kinds"]
+    for name, p in reference.named_parameters():
+        for rank in ranks:
+            got = torch.tensor(rank["params"][name], dtype=p.dtype)
+            assert (got - p.detach()).norm() / p.detach().norm() <= 1e-6, name

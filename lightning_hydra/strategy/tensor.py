@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_hydra.errors import ConfigError
 
-__all__ = ["MESH_DIMS", "block_plan", "check_tensor_parallel", "parallelize", "tensor_mesh"]
+__all__ = ["BLOCK_LAYOUTS", "MESH_DIMS", "block_plan", "check_tensor_parallel", "parallelize", "tensor_mesh"]
 
 MESH_DIMS = ("pp", "pool", "tp")
 """Names of the device mesh's dimensions, outermost first."""
@@ -90,15 +90,29 @@ def tensor_mesh(device_type: str, *, stages: int, pool: int, tensor: int) -> Dev
     return init_device_mesh(device_type, (stages, pool, tensor), mesh_dim_names=MESH_DIMS)
 
 
+BLOCK_LAYOUTS = (
+    (("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate", "mlp.up"), ("attn.o_proj", "mlp.down")),
+    (
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
+)
+"""``(colwise, rowwise)`` module paths of the blocks tensor parallelism knows: the reference decoder's, and Hugging
+Face Llama-family decoder layers' (whose attention views its projections with ``-1`` heads, so it runs on the
+``H / T`` local heads unchanged)."""
+
+
 def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
-    """The TP plan of one transformer block of the reference decoder (paths relative to the block)."""
+    """The TP plan of one transformer block (paths relative to the block): the first of :data:`BLOCK_LAYOUTS` whose
+    modules the block has; ``TypeError`` when none fits."""
     names = {name for name, _ in block.named_modules()}
-    wanted = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate", "mlp.up", "mlp.down")
-    missing = [n for n in wanted if n not in names]
-    if missing:
-        raise TypeError(f"{type(block).__name__} has no {missing}: tensor parallelism knows the reference decoder")
-    colwise = {n: ColwiseParallel() for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate", "mlp.up")}
-    return {**colwise, "attn.o_proj": RowwiseParallel(), "mlp.down": RowwiseParallel()}
+    for colwise, rowwise in BLOCK_LAYOUTS:
+        if names.issuperset(colwise + rowwise):
+            return {**{n: ColwiseParallel() for n in colwise}, **{n: RowwiseParallel() for n in rowwise}}
+    raise TypeError(
+        f"tensor parallelism knows the reference decoder's blocks and Hugging Face Llama-family decoder layers, "
+        f"not {type(block).__name__}"
+    )
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
@@ -108,18 +122,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
     and ``Hkv / T`` KV heads, which the CP engine splits further by Ulysses.
 
     Args:
-        model: A :class:`~lightning_hydra.HydraModule` whose ``transformer_blocks()`` follow the reference decoder.
+        model: A :class:`~lightning_hydra.HydraModule` whose ``transformer_blocks()`` fit :data:`BLOCK_LAYOUTS`.
         mesh: The ``"tp"`` dimension of :func:`tensor_mesh`.
     """
     tensor = mesh.size()
     blocks: list[Any] = model.transformer_blocks()  # type: ignore[operator]
     for block in blocks:
-        attention = block.attn
-        if attention.heads % tensor or attention.kv_heads % tensor:
+        attention = getattr(block, "attn", None)  # the reference decoder's CPAttention counts its heads
+        if attention is not None and (attention.heads % tensor or attention.kv_heads % tensor):
             raise ConfigError(
                 f"tensor_parallel={tensor} must divide {attention.heads} heads and {attention.kv_heads} KV heads"
             )
         parallelize_module(block, mesh, block_plan(block))
-        attention.heads //= tensor
-        attention.kv_heads //= tensor
+        if attention is not None:
+            attention.heads //= tensor
+            attention.kv_heads //= tensor
     return len(blocks)
