@@ -142,9 +142,10 @@ class HydraStrategy(ParallelStrategy):
                 (``pipeline_stage``/``stage_forward``: DecoderLM and Llama-family HFCausalLM do).
             tensor_parallel: TP degree ``T`` (``T`` consecutive ranks inside a node split every block by torch's
                 ``parallelize_module``; plans are made for the ``world / T`` pool positions and the CP groups formed
-                per TP rank); see :mod:`lightning_hydra.strategy.tensor`. The reference decoder and Llama-family HFCausalLM, with
-                ``sharding`` ``"none"``, ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's ``"pool"`` dimension, as
-                torchtitan composes them); with pipeline stages, stage ``s``'s blocks are split after the stage split.
+                per TP rank); see :mod:`lightning_hydra.strategy.tensor`. The reference decoder and Llama-family
+                HFCausalLM, with ``sharding`` ``"none"``, ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's
+                ``"pool"`` dimension, as torchtitan composes them) and any ``pipeline_stages`` (a stage's blocks are
+                split after the stage split).
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
