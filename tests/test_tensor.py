@@ -333,3 +333,35 @@ def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path) -> None:
         for rank in ranks:
             got = torch.tensor(rank["params"][name], dtype=p.dtype)
             assert (got - p.detach()).norm() / p.detach().norm() <= 1e-6, name
+
+
+def _vocab_parallel_against_whole(rank: int, world: int) -> list[float]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_hydra.models.losses import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(258, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 258, (37,), generator=g)
+    labels[::5] = -100  # ignored tokens
+    mesh = tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"]
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    whole = chunked_cross_entropy(h1, w1, labels, chunk_tokens=8)
+    whole.backward()
+    h2 = hidden.clone().requires_grad_(True)
+    w2 = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_(True)
+    split = chunked_cross_entropy(h2, w2, labels, chunk_tokens=8)  # dispatches on the DTensor weight
+    split.backward()
+    return [
+        float(abs(split - whole) / whole),
+        float((h2.grad - h1.grad).norm() / h1.grad.norm()),
+        float((w2.grad.full_tensor() - w1.grad).norm() / w1.grad.norm()),
+        float(w2.grad.to_local().shape[0]),
+    ]
+
+
+def test_vocab_parallel_loss_equals_the_whole_heads() -> None:
+    for differences in run_world(2, _vocab_parallel_against_whole):
+        assert max(differences[:3]) < 1e-6  # float32 logits both ways (log-sum-exp summed in another order)
+        assert differences[3] == 129  # each rank holds half the vocabulary's rows and their gradient

@@ -12,9 +12,10 @@ same tokens, and the CP groups of a step are formed once per TP rank over the po
 
 **Plans.** q/k/v and gate/up are ``ColwiseParallel`` (their weights' rows split over the TP group, inputs
 replicated: the backward all-reduces the input's gradient), o and down ``RowwiseParallel`` (the forward all-reduces
-the output). Norms, embedding and head stay replicated: their gradients are the same on every TP rank, so the
-pool's gradient sum treats them as a replica's. A rank idle in a microbatch is idle with its whole TP group (same
-pool position), so TP's collectives stay aligned.
+the output). Norms and embedding stay replicated: their gradients are the same on every TP rank, so the pool's
+gradient sum treats them as a replica's. The reference decoder's head is split by vocabulary rows
+(:mod:`lightning_hydra.models.vocab_parallel`: its loss never gathers logits). A rank idle in a microbatch is
+idle with its whole TP group (same pool position), so TP's collectives stay aligned.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_hydra.errors import ConfigError
@@ -119,7 +121,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
     """Split every transformer block of ``model`` over the 1-D TP ``mesh``, in place; returns the blocks split.
 
     Each block's projections become DTensor shards (:func:`block_plan`); its attention then holds ``H / T`` query
-    and ``Hkv / T`` KV heads, which the CP engine splits further by Ulysses.
+    and ``Hkv / T`` KV heads, which the CP engine splits further by Ulysses. A model's own untied ``lm_head``
+    (the reference decoder's) is split by vocabulary rows when ``T`` divides them: its loss is
+    :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy`.
 
     Args:
         model: A :class:`~lightning_hydra.HydraModule` whose ``transformer_blocks()`` fit :data:`BLOCK_LAYOUTS`.
@@ -137,4 +141,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
         if attention is not None:
             attention.heads //= tensor
             attention.kv_heads //= tensor
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and head.out_features % tensor == 0 and not _tied(model, head.weight):
+        # vocabulary-parallel: the chunked loss reads the row shards (never full logits); logits, when asked
+        # for (no labels), are gathered
+        parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
     return len(blocks)
+
+
+def _tied(model: nn.Module, weight: nn.Parameter) -> bool:
+    """Whether ``weight`` is also another parameter of ``model`` (an LM head tied to the embedding)."""
+    return sum(p is weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
