@@ -19,27 +19,7 @@ from lightning_hydra.strategy.capacity import memory_shape
 from lightning_hydra.strategy.prelaunch import preflight
 from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, tensor_mesh
 from lightning_hydra.testing import quiet_trainer, run_world
-
-LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
-
-
-def make_dataset() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 250, (n,), generator=g) for n in LENGTHS]
-
-
-def make_model() -> DecoderLM:
-    torch.manual_seed(99)
-    return DecoderLM(
-        vocab_size=258,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        lr=1.0,
-        optimizer="sgd",
-        max_grad_norm=0.2,  # active: the norm sums the TP shards' squares once, the replicated parameters once
-    )
+from tests.test_sharding import make_dataset, make_model  # the sharding tests' data and model (SGD, clipping)
 
 
 class Record(pl.Callback):
