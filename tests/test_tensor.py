@@ -259,6 +259,17 @@ def test_plan_command_sizes_a_70b_shape_at_tensor_parallel_8(capsys) -> None:
     assert "does not divide the model's 4 KV heads; use one of [1, 2, 4]" in capsys.readouterr().err
 
 
+def test_bench_simulates_the_2048_gpu_job_with_and_without_tensor_parallelism() -> None:
+    from lightning_hydra.bench.tp import simulated_2048
+
+    out = simulated_2048(steps=1)
+    assert (out["tp8"]["pool"], out["tp1"]["pool"]) == (64, 512)  # 2,048 GPUs over PP 4 at TP 8, and at TP 1
+    # a 70B stage (17.6B parameters at 6 bytes each) does not fit an 80 GB device without TP; at TP 8 it does
+    assert out["tp1"]["hydra"]["memory_headroom"] < 0 < out["tp8"]["hydra"]["memory_headroom"]
+    for policy, ratio in out["tp8_over_tp1"].items():
+        assert ratio == pytest.approx(out["tp8"][policy]["tokens_per_s"] / out["tp1"][policy]["tokens_per_s"])
+
+
 @pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
 def test_checkpoint_reshards_between_tensor_parallel_degrees(tmp_path: Path, saved: int, resumed: int) -> None:
     """A distributed checkpoint (zero2, AdamW) saved at TP ``saved`` x pool 2 resumes at TP ``resumed`` x pool 2:

@@ -9,14 +9,21 @@ the tokens):
 - ``busy_s``: per-rank busy (thread CPU) seconds of a training step (median over steps, mean over ranks), and TP's
   ratio to the replica's (measured in the same run; CPU threads, not a GPU's timing);
 - ``llama3_70b_capacity``: ``max_tokens_per_rank="auto"`` of a Llama-3-70B shape at 256 GPUs on 80 GB per TP degree
-  (zero3, selective checkpointing, bf16-mixed, AdamW) from the memory model (not a measurement).
+  (zero3, selective checkpointing, bf16-mixed, AdamW) from the memory model (not a measurement);
+- ``simulated_2048``: the simulator's 2,048-GPU job (``recipes/sim-2048-256k-pp.yaml``, a Llama-3-70B shape at 256K
+  over PP 4) as written, TP 8 (a pool of 64; the planner's cost model at ``tensor_parallel=8``), and with TP not
+  modelled, TP 1 (a pool of 512 whose ranks hold an eighth of the tokens, the same global batch): tokens per
+  second, 1F1B bubble and memory headroom per policy, and TP 8's throughput over TP 1's from the one run (the
+  simulator's truth does not time TP's all-reduces: TP 8's figure leaves them out).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+from typing import Any
 
 import torch
 
@@ -88,12 +95,39 @@ def _worker(rank: int, world: int, tensor: int, steps: int, tokens: int, hidden:
     return {"bytes": {**measured, "activations": activations}, "busy_s": sorted(busy)[len(busy) // 2]}
 
 
+def simulated_2048(steps: int | None = None) -> dict[str, Any]:
+    """The simulator's 2,048-GPU job at TP 8 (as its recipe says) and at TP 1, on the same GPUs and global tokens.
+
+    Args:
+        steps: Global batches per run (default: the recipe's).
+
+    Returns:
+        ``{"tp8": {policy: figures}, "tp1": {...}, "tp8_over_tp1": {policy: throughput ratio}}``.
+    """
+    from lightning_hydra.cli import recipe_path
+    from lightning_hydra.sim.scenario import load_scenario
+    from lightning_hydra.sim.simulate import simulate
+
+    base = load_scenario(recipe_path("sim-2048-256k-pp"), steps=steps)
+    keys = ("tokens_per_s", "tokens_per_s_uncalibrated", "bubble_pp", "memory_headroom", "cost_model_error")
+    out: dict[str, Any] = {}
+    for tp in (base.job.tp, 1):
+        tokens = base.job.max_tokens_per_rank * tp // base.job.tp  # the pool's tokens per microbatch unchanged
+        job = dataclasses.replace(base.job, tp=tp, max_tokens_per_rank=tokens)
+        result = simulate(dataclasses.replace(base, job=job, policies=["mcore", "hydra"]))
+        out[f"tp{tp}"] = {"pool": result["pool"], **{p: {k: s[k] for k in keys} for p, s in result["policies"].items()}}
+    high, low = out[f"tp{base.job.tp}"], out["tp1"]
+    out[f"tp{base.job.tp}_over_tp1"] = {p: high[p]["tokens_per_s"] / low[p]["tokens_per_s"] for p in ("mcore", "hydra")}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print JSON."""
     parser = argparse.ArgumentParser(prog="python -m lightning_hydra.bench.tp", description=__doc__)
     parser.add_argument("--steps", type=int, default=3, help="training steps per configuration (median busy time)")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank of the replica pool per step")
     parser.add_argument("--hidden", type=int, default=256, help="model width of the measured DecoderLM")
+    parser.add_argument("--sim-steps", type=int, default=None, help="global batches of the simulated job (recipe's)")
     args = parser.parse_args(argv)
     runs = {f"tp{t}": run_world(4, _worker, t, args.steps, args.tokens, args.hidden, timeout=1800) for t in (1, 2)}
     summary = {}
@@ -120,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             "busy": summary["tp2"]["busy_s"] / summary["tp1"]["busy_s"],
         },
         "llama3_70b_capacity": capacity,
+        "simulated_2048": simulated_2048(args.sim_steps),
     }
     print(json.dumps(result, indent=2))
 
