@@ -270,18 +270,21 @@ def test_bench_simulates_the_2048_gpu_job_with_and_without_tensor_parallelism() 
         assert ratio == pytest.approx(out["tp8"][policy]["tokens_per_s"] / out["tp1"][policy]["tokens_per_s"])
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
-def test_checkpoint_reshards_between_tensor_parallel_degrees(tmp_path: Path, saved: int, resumed: int) -> None:
-    """A distributed checkpoint (zero2, AdamW) saved at TP ``saved`` x pool 2 resumes at TP ``resumed`` x pool 2:
-    the resumed step 3 equals the uninterrupted run's (parameters and the AdamW moments they were stepped with)."""
+@pytest.mark.parametrize(("saved", "resumed", "sharding"), [(2, 1, "zero2"), (1, 2, "zero2"), (2, 1, "none")])
+def test_checkpoint_reshards_between_tensor_parallel_degrees(
+    tmp_path: Path, saved: int, resumed: int, sharding: str
+) -> None:
+    """A distributed checkpoint (zero2, AdamW) saved at TP ``saved`` x pool 2 resumes at TP ``resumed`` x pool 2
+    (with ``sharding``; ``"none"``: a replica pool, which reads the directory whole): the resumed step 3 equals the
+    uninterrupted run's (parameters and the AdamW moments they were stepped with)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def model() -> DecoderLM:
         torch.manual_seed(99)
         return DecoderLM(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, lr=3e-3, max_grad_norm=0.2)
 
-    def strategy(tensor: int) -> HydraStrategy:
-        return _strategy(tensor_parallel=tensor, sharding="zero2", num_microbatches=2, capacity=256)
+    def strategy(tensor: int, sharding: str = "zero2") -> HydraStrategy:
+        return _strategy(tensor_parallel=tensor, sharding=sharding, num_microbatches=2, capacity=256)
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1, filename="stop")
     out = tmp_path / "full.json"
@@ -293,7 +296,7 @@ def test_checkpoint_reshards_between_tensor_parallel_degrees(tmp_path: Path, sav
     path = tmp_path / "ckpt" / "stop.ckpt"
     assert path.is_dir()  # a torch.distributed.checkpoint directory
     out = tmp_path / "resumed.json"
-    trainer = quiet_trainer(2 * resumed, strategy(resumed), callbacks=[Record(out)], max_steps=3)
+    trainer = quiet_trainer(2 * resumed, strategy(resumed, sharding), callbacks=[Record(out)], max_steps=3)
     trainer.fit(model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5), ckpt_path=str(path))
     again = json.loads(Path(f"{out}.rank0").read_text())
     assert len(again["losses"]) == 1  # only step 3 ran

@@ -42,6 +42,7 @@ from lightning_hydra.strategy.capacity import configure_cuda_allocator, device_b
 from lightning_hydra.strategy.checkpoint import (
     full_state_dict,
     is_sharded_checkpoint,
+    load_full_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
@@ -624,6 +625,8 @@ class HydraStrategy(ParallelStrategy):
             path = self.broadcast(checkpoint_path)
             assert self.model is not None
             checkpoint = load_sharded_checkpoint(path, self.model, list(self.optimizers))
+        elif is_sharded_checkpoint(checkpoint_path):  # a sharded or TP pool's directory into a replica pool
+            checkpoint = load_full_checkpoint(checkpoint_path)
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get("hydra")
