@@ -261,6 +261,11 @@ def _plan_parser() -> argparse.ArgumentParser:
         "--pipeline-stages", type=_bounded(int, 1, 1024), default=1,
         help="pipeline stages the microbatches flow through (the pool is one stage's ranks)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel", type=_bounded(int, 1, 1024), default=1,
+        help="TP degree inside a node: each pool rank (--world-size) is a TP group of this many GPUs, which splits "
+        "the heads, the projections and most activations (HydraStrategy(tensor_parallel=...))",
+    )  # fmt: skip
     memory = parser.add_argument_group(
         "memory", "with --memory, the memory model sizes the capacity (max_tokens_per_rank='auto' does the same)"
     )
@@ -300,7 +305,8 @@ def _plan(argv: list[str]) -> int:
         parser.error(f"--num-heads {args.num_heads} is not a multiple of --num-kv-heads {args.num_kv_heads}")
     if args.hidden_size % args.num_heads:
         parser.error(f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}")
-    check_pool(args.world_size, args.ranks_per_node)
+    node = _tensor_node(parser, args)  # pool ranks (TP groups) per node
+    check_pool(args.world_size, node)
     sized, table = _memory(parser, args) if args.memory is not None else (None, None)
     if args.capacity:
         capacity = args.capacity
@@ -328,12 +334,13 @@ def _plan(argv: list[str]) -> int:
     )  # fmt: skip
     if lengths.size == 0:
         parser.error(f"--fill {args.fill} of the pool holds no sequence: raise --fill or --capacity")
+    tp = args.tensor_parallel
     cost = CostModel.for_transformer(
-        args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, ranks_per_node=args.ranks_per_node
+        args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, ranks_per_node=node, tensor_parallel=tp
     )
     config = PlannerConfig(
         policy=args.policy, max_tokens_per_rank=capacity, num_microbatches=args.microbatches,
-        ranks_per_node=args.ranks_per_node, pipeline_stages=args.pipeline_stages,
+        ranks_per_node=node, pipeline_stages=args.pipeline_stages,
     )  # fmt: skip
     label = (
         f"lightning-hydra plan: planning {lengths.size:,} sequences ({int(lengths.sum()):,} tokens) on "
@@ -341,8 +348,8 @@ def _plan(argv: list[str]) -> int:
     )
     with progress(label, every=10.0):
         plan = config.schedule(
-            lengths, world_size=args.world_size, cost=cost, num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads, seed=args.seed,
+            lengths, world_size=args.world_size, cost=cost, num_heads=args.num_heads // tp,
+            num_kv_heads=args.num_kv_heads // tp, seed=args.seed,
         )  # fmt: skip
     loads = plan.loads(cost)
     per_rank = loads.sum(axis=0)
@@ -376,6 +383,21 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _tensor_node(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Pool ranks per node under ``--tensor-parallel`` (a parser error, one line, when TP cannot lay it out)."""
+    from lightning_hydra.strategy.tensor import check_tensor_parallel
+
+    tp = args.tensor_parallel
+    try:
+        check_tensor_parallel(
+            tp, world=args.world_size * tp, ranks_per_node=args.ranks_per_node, heads=args.num_heads,
+            kv_heads=args.num_kv_heads,
+        )  # fmt: skip
+    except ValueError as exc:
+        parser.error(f"--tensor-parallel: {exc}")
+    return args.ranks_per_node // tp
+
+
 def _memory_shape(args: argparse.Namespace) -> Any:
     from lightning_hydra.planner.memory import ModelMemoryShape
 
@@ -389,9 +411,10 @@ def _sized(args: argparse.Namespace, sharding: str, checkpointing: str) -> Any:
 
     return memory_capacity(
         _memory_shape(args), budget=float(parse_bytes(args.memory)), sharding=sharding, precision=args.precision,
-        checkpointing=checkpointing, world_size=args.world_size, ranks_per_node=min(args.ranks_per_node,
-        args.world_size), num_microbatches=args.microbatches, optimizer=args.optimizer,
-        pipeline_stages=args.pipeline_stages,
+        checkpointing=checkpointing, world_size=args.world_size,
+        ranks_per_node=min(args.ranks_per_node // args.tensor_parallel, args.world_size),
+        num_microbatches=args.microbatches, optimizer=args.optimizer,
+        pipeline_stages=args.pipeline_stages, tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
 
 
@@ -421,7 +444,9 @@ def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
         print(
             f"memory per rank ({shape.num_params / 1e9:.2f}B parameters, {args.precision}, {args.optimizer}, "
             f"sharding {args.sharding} over {args.world_size:,} ranks, {args.checkpointing} activation "
-            f"checkpointing, {args.pipeline_stages} pipeline stage{'s' * (args.pipeline_stages > 1)}; "
+            f"checkpointing, {args.pipeline_stages} pipeline stage{'s' * (args.pipeline_stages > 1)}"
+            + (f", tensor parallel {args.tensor_parallel} (world size: TP groups)" if args.tensor_parallel > 1 else "")
+            + "; "
             "lightning_hydra.planner.memory, an estimate not yet checked on a GPU):"
         )
         print("\n".join(f"  {line}" for line in sized.lines()))

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_hydra.cli import RECIPES
 from lightning_hydra.cli import main as cli_main
-from lightning_hydra.planner import Group, Plan
+from lightning_hydra.planner import CostModel, Group, Plan
 from lightning_hydra.sim import Hardware, Job, ModelShape, Scenario, bin_time, load_scenario, plan_times, step_result
 
 MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=100)
@@ -197,8 +197,13 @@ def test_the_starting_model_gives_a_tensor_parallel_rank_the_links_of_its_device
         for tp in (1, 8)
     )
     a, b = one.starting_cost(), eight.starting_cost()
+    # the simulator's TP rank is the planner's (HydraStrategy(tensor_parallel=8)): one code path
+    device = {"flops_per_second": PLAIN.peak_flops * 0.5, "intra_node_bandwidth": PLAIN.intra_node_bandwidth}
+    device |= {"inter_node_bandwidth": PLAIN.inter_node_bandwidth, "ranks_per_node": eight.node_size()}
+    assert b.to_dict() == CostModel.for_transformer(**MODEL.cost_model_args(), **device, tensor_parallel=8).to_dict()
     length = np.asarray(30000.0)
-    assert float(b.compute(length, 4)) == pytest.approx(float(a.compute(length, 4)) / 8)
+    assert b.attn == pytest.approx(a.attn / 8)
+    assert b.linear > a.linear / 8  # the head stays whole and TP's all-reduces are costed
     for crosses in (False, True):
         assert float(b.ring_steps(length, 1, 4, crosses)[0]) == pytest.approx(
             float(a.ring_steps(length, 1, 4, crosses)[0]) / 8

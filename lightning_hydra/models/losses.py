@@ -10,6 +10,7 @@ keeps only ``hidden`` and ``weight``; the backward recomputes each chunk's logit
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["LOGIT_BYTES", "chunked_cross_entropy"]
 
@@ -84,7 +85,8 @@ def chunked_cross_entropy(
 
     Args:
         hidden: ``[t, h]`` final hidden states.
-        weight: ``[V, h]`` LM head weight.
+        weight: ``[V, h]`` LM head weight (a DTensor split by rows over a TP mesh: see
+            :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy`).
         labels: ``[t]`` target ids.
         ignore_index: Label of tokens that are not trained.
         chunk_tokens: Tokens per chunk (default: as many as :data:`LOGIT_BYTES` of float32 logits allow).
@@ -96,5 +98,11 @@ def chunked_cross_entropy(
         raise ValueError(f"hidden [t, h] and weight [V, h] expected, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [{hidden.shape[0]}], got {tuple(labels.shape)}")
+    if isinstance(weight, DTensor):  # a vocabulary-parallel head (tensor parallelism): never gathered
+        from lightning_hydra.models.vocab_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(
+            hidden, weight, labels, ignore_index=ignore_index, chunk_tokens=chunk_tokens
+        )
     chunk = _chunk_tokens(weight.shape[0], chunk_tokens)
     return _ChunkedCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, _compute_dtype(hidden))

@@ -115,9 +115,12 @@ class HydraModule(pl.LightningModule):
         ``num_heads``, ``num_kv_heads``, ``ffn_hidden_size``, ``vocab_size``)."""
         return {"hidden_size": 1024, "num_layers": 8, "num_heads": 8}
 
-    def cost_model(self) -> CostModel:
-        """The analytic cost model of this model's shape (the planner's default; calibration refines it)."""
-        return CostModel.for_transformer(**self.model_shape(), flops_per_second=self.flops_per_second, **CPU_LINKS)
+    def cost_model(self, tensor_parallel: int = 1) -> CostModel:
+        """The analytic cost model of this model's shape (the planner's default; calibration refines it), for one
+        rank of a TP group of ``tensor_parallel``."""
+        return CostModel.for_transformer(
+            **self.model_shape(), flops_per_second=self.flops_per_second, tensor_parallel=tensor_parallel, **CPU_LINKS
+        )
 
     def transformer_blocks(self) -> list[nn.Module]:
         """The repeated blocks (sharded one by one, checkpointed selectively); default: the children of the

@@ -135,6 +135,7 @@ class CostModel:
         p2p_latency: float = 20e-6,
         min_chunk_tokens: float = 128.0,
         ranks_per_node: int = 0,
+        tensor_parallel: int = 1,
     ) -> CostModel:
         """Derive coefficients from a causal decoder's shape and an achieved FLOP rate.
 
@@ -161,6 +162,11 @@ class CostModel:
             min_chunk_tokens: Per-rank chunk below which splitting buys attention no speed (a kernel tile).
             ranks_per_node: Ranks per node (a ring inside one node uses the intra-node link); ``0``: unknown, every
                 ring crosses nodes.
+            tensor_parallel: TP degree ``T`` of a CP rank (one device of a TP group, see
+                :mod:`lightning_hydra.strategy.tensor`): it computes ``1 / T`` of the blocks' GEMMs and attention
+                (the head stays whole), moves ``1 / T`` of the all-to-all and ring bytes, and pays TP's own ring
+                all-reduces of ``[tokens, hidden]`` activations inside the node (forward: the o and down outputs;
+                backward: the input gradients of q, k, v, gate and up), ``2 (T - 1) / T`` of their bytes each.
 
         Returns:
             The analytic cost model.
@@ -179,12 +185,26 @@ class CostModel:
         a2a_elems = 2 * (hidden_size + 2 * kv_dim + hidden_size)
         # The ring moves k and v forward; backward it moves k, v again (activation dtype) plus dK, dV (float32).
         ring_bytes = 4 * kv_dim * bytes_per_element + 2 * kv_dim * grad_bytes_per_element
+        attn = 6.0 * hidden_size * num_layers / flops_per_second
+        linear = 6.0 * params / flops_per_second
+        a2a_bytes, ring_bytes_per_token = (
+            float(a2a_elems * bytes_per_element * num_layers),
+            float(ring_bytes * num_layers),
+        )
+        if tensor_parallel > 1:
+            t = tensor_parallel
+            linear = 6.0 * (num_layers * per_layer / t + hidden_size * vocab_size) / flops_per_second
+            reduced = 7 * hidden_size * bytes_per_element * num_layers * 2 * (t - 1) / t  # TP all-reduce bytes
+            linear += reduced / intra_node_bandwidth
+            attn, a2a_bytes, ring_bytes_per_token = attn / t, a2a_bytes / t, ring_bytes_per_token / t
+        elif tensor_parallel != 1:
+            raise ValueError(f"tensor_parallel must be positive, got {tensor_parallel}")
         return cls(
-            attn=6.0 * hidden_size * num_layers / flops_per_second,
-            linear=6.0 * params / flops_per_second,
+            attn=attn,
+            linear=linear,
             seq_overhead=seq_overhead,
-            a2a_bytes_per_token=float(a2a_elems * bytes_per_element * num_layers),
-            ring_bytes_per_token=float(ring_bytes * num_layers),
+            a2a_bytes_per_token=a2a_bytes,
+            ring_bytes_per_token=ring_bytes_per_token,
             intra_node_bandwidth=intra_node_bandwidth,
             inter_node_bandwidth=inter_node_bandwidth,
             intra_node_ring_bandwidth=intra_node_bandwidth,

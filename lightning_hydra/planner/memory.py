@@ -35,6 +35,12 @@ Pure arithmetic over a model's shape, shared by :class:`~lightning_hydra.HydraSt
    block's full activations recomputed or differentiated at a time, the Ulysses all-to-all's packed and gathered
    copies (``2 A (h + 2 kv)``) and the ring's KV buffers (four in ``A``, two dK/dV in float32: ``8 A kv + 16 kv``).
 
+**Tensor parallelism** ``T`` (``HydraStrategy(tensor_parallel=T)``, no sequence parallelism): a rank holds ``1 / T``
+of every block's projections (the norms, embedding and head stay whole) and of the activations the heads and the
+MLP width split: per block the norms' float32 inputs and their outputs stay whole (``8 h + 4 A h``, or the block
+input ``A h`` when selective), q/k/v, the attention output, the LSE and the MLP's tensors divide by ``T``, as do
+the CP buffers; the final norm, head input and RoPE tables stay whole. The TP group is one more communicator.
+
 Everything here is an estimate: on a GPU the true peak also depends on the allocator and kernels' workspaces
 (the margin covers them); it has not been checked against a GPU's measured peak yet.
 """
@@ -135,6 +141,12 @@ class ModelMemoryShape:
         return self.hidden_size // self.num_heads * self.num_kv_heads
 
     @property
+    def projection_params(self) -> int:
+        """Parameters of one block's q/k/v/o projections and MLP (what tensor parallelism splits)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        return 2 * h * h + 2 * h * self.kv_size + 3 * h * f
+
+    @property
     def block_params(self) -> float:
         """Parameters of one block (everything but embedding and head, spread evenly)."""
         rest = self.num_params - 2 * self.vocab_size * self.hidden_size
@@ -164,9 +176,11 @@ def model_state_bytes(
     num_microbatches: int = 1,
     optimizer: str = "adamw",
     pipeline_stages: int = 1,
+    tensor_parallel: int = 1,
 ) -> dict[str, float]:
     """Bytes per rank of parameters, gradients, optimizer state and what a step holds unsharded (``world_size``:
-    ranks of one pipeline stage's pool; a stage holds ``1 / pipeline_stages`` of the parameters).
+    ranks of one pipeline stage's pool; a stage holds ``1 / pipeline_stages`` of the parameters, a TP rank ``1 /
+    tensor_parallel`` of every block's projections).
 
     Returns:
         ``{"params", "grads", "optimizer", "unsharded"}``.
@@ -176,7 +190,10 @@ def model_state_bytes(
         raise ValueError(f"unknown sharding {sharding!r}")
     if pipeline_stages < 1:
         raise ValueError(f"pipeline_stages must be positive, got {pipeline_stages}")
-    n = float(shape.num_params) / pipeline_stages
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be positive, got {tensor_parallel}")
+    split = shape.num_layers * shape.projection_params * (1 - 1 / tensor_parallel)  # other TP ranks' share
+    n = (float(shape.num_params) - split) / pipeline_stages
     master, grad = (2.0, 2.0) if precision == "bf16-true" else (4.0, 4.0)
     moments = 0.0 if optimizer == "sgd" else 2 * master
     compute = 4.0 if precision == "32-true" else 2.0
@@ -187,7 +204,7 @@ def model_state_bytes(
     accumulated = 4.0 if precision == "bf16-mixed" else grad
     if sharding == "zero3":
         root = 2 * shape.vocab_size * shape.hidden_size / pipeline_stages
-        unsharded = (root + 2 * shape.block_params) * (compute + grad)
+        unsharded = (root + 2 * (shape.block_params - split / shape.num_layers)) * (compute + grad)
     else:
         unsharded = n * (compute + (accumulated if num_microbatches > 1 else compute))
     return {
@@ -198,8 +215,10 @@ def model_state_bytes(
     }
 
 
-def activation_bytes_per_token(shape: ModelMemoryShape, *, checkpointing: str, precision: str) -> dict[str, float]:
-    """Activation bytes per token on a rank.
+def activation_bytes_per_token(
+    shape: ModelMemoryShape, *, checkpointing: str, precision: str, tensor_parallel: int = 1
+) -> dict[str, float]:
+    """Activation bytes per token on a rank (of a TP group of ``tensor_parallel``).
 
     Returns:
         ``{"blocks", "once", "transient", "cp_buffers", "total"}`` (see the module docstring).
@@ -207,9 +226,13 @@ def activation_bytes_per_token(shape: ModelMemoryShape, *, checkpointing: str, p
     precision = _precision(precision)
     a = 4.0 if precision == "32-true" else 2.0
     h, kv, f, heads = shape.hidden_size, shape.kv_size, shape.ffn_hidden_size, shape.num_heads
-    full = 8 * h + a * (6 * h + 2 * kv + 4 * f) + 4 * heads
+    t = tensor_parallel
+    if t < 1:
+        raise ValueError(f"tensor_parallel must be positive, got {t}")
+    split = a * (2 * h + 2 * kv) + 4 * heads  # q/k/v, attention output, LSE: split by TP with the heads
+    full = 8 * h + 4 * a * h + (split + a * 4 * f) / t
     if checkpointing == "selective":
-        block = a * (3 * h + 2 * kv) + 4 * heads
+        block = a * h + split / t
     elif checkpointing == "none":
         block = full
     else:
@@ -218,7 +241,7 @@ def activation_bytes_per_token(shape: ModelMemoryShape, *, checkpointing: str, p
         "blocks": shape.num_layers * block,
         "once": 4 * h + 2 * a * h + 2 * a * (h // heads),
         "transient": full,
-        "cp_buffers": 2 * a * (h + 2 * kv) + 8 * a * kv + 16 * kv,
+        "cp_buffers": (2 * a * (h + 2 * kv) + 8 * a * kv + 16 * kv) / t,
     }
     out["total"] = sum(out.values())
     return out
@@ -277,6 +300,7 @@ def memory_capacity(
     margin: float = 0.1,
     multiple_of: int = 256,
     pipeline_stages: int = 1,
+    tensor_parallel: int = 1,
 ) -> MemoryBreakdown:
     """The token capacity of a rank: what its budget leaves after model state, communicators and the margin,
     divided by activation bytes per token, rounded down to ``multiple_of``.
@@ -298,6 +322,8 @@ def memory_capacity(
         pipeline_stages: Pipeline stages: a stage holds ``1 / P`` of the model state; under 1F1B the first stage
             keeps ``P`` microbatches' activations of its ``L / P`` blocks in flight, as many per token as the whole
             model without a pipeline, so the activation term is unchanged (``world_size`` is one stage's pool).
+        tensor_parallel: TP degree: state and activations per rank as the module docstring says, and the TP
+            group's communicator.
     """
     if budget <= 0 or not 0 <= margin < 1:
         raise ValueError(f"budget must be positive and margin in [0, 1), got {budget} and {margin}")
@@ -310,11 +336,15 @@ def memory_capacity(
         num_microbatches=num_microbatches,
         optimizer=optimizer,
         pipeline_stages=pipeline_stages,
+        tensor_parallel=tensor_parallel,
     )
     mesh_dims = {"none": 0, "zero2": 1, "zero3": 1, "hsdp": 2}[sharding]
     stage_links = 2 if pipeline_stages > 1 else 0
-    communicators = communicator_bytes * (1 + mesh_dims + ulysses_blocks + 2 + stage_links)
-    per_token = activation_bytes_per_token(shape, checkpointing=checkpointing, precision=precision)
+    tp_group = 1 if tensor_parallel > 1 else 0
+    communicators = communicator_bytes * (1 + mesh_dims + ulysses_blocks + 2 + stage_links + tp_group)
+    per_token = activation_bytes_per_token(
+        shape, checkpointing=checkpointing, precision=precision, tensor_parallel=tensor_parallel
+    )
     kept = budget * margin
     left = budget - sum(state.values()) - communicators - kept
     tokens = int(left // per_token["total"]) if left > 0 else 0

@@ -99,16 +99,19 @@ class Scenario:
     def starting_cost(self) -> CostModel:
         """The planner's analytic cost model before any calibration.
 
-        A CP rank of a tensor-parallel job is ``tp`` devices: it computes at ``tp`` devices' rate, and each of its
-        devices moves ``1 / tp`` of every all-to-all and ring transfer over a link of its own, so its links carry
-        ``tp`` devices' bandwidth (as the truth times them, :mod:`lightning_hydra.sim.truth`)."""
-        hw, tp = self.hardware, self.job.tp
+        A CP rank of a tensor-parallel job is ``tp`` devices: the model is built as the planner builds it for
+        ``HydraStrategy(tensor_parallel=tp)`` (:meth:`CostModel.for_transformer` with ``tensor_parallel``), from one
+        device's FLOP rate and links: a ``tp``-th of the blocks' compute and of every all-to-all and ring transfer
+        (each device moves its share over a link of its own, as the truth times it,
+        :mod:`lightning_hydra.sim.truth`), the head whole, and TP's all-reduces inside the node costed."""
+        hw = self.hardware
         args: dict[str, Any] = {
-            "flops_per_second": hw.peak_flops * self.analytic_efficiency * tp,
+            "flops_per_second": hw.peak_flops * self.analytic_efficiency,
             "bytes_per_element": self.model.bytes_per_element,
-            "intra_node_bandwidth": hw.intra_node_bandwidth * tp,
-            "inter_node_bandwidth": hw.inter_node_bandwidth * tp,
+            "intra_node_bandwidth": hw.intra_node_bandwidth,
+            "inter_node_bandwidth": hw.inter_node_bandwidth,
             "ranks_per_node": self.node_size(),
+            "tensor_parallel": self.job.tp,
         }
         args.update(self.planner)
         shape = self.model.cost_model_args()

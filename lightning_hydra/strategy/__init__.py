@@ -8,6 +8,7 @@
 - :mod:`~lightning_hydra.strategy.pipeline`, :mod:`~lightning_hydra.strategy.clipping`: 1F1B stages, clipping.
 - :mod:`~lightning_hydra.strategy.gradients`: bucketed gradient sums overlapped with the last backward.
 - :mod:`~lightning_hydra.strategy.checks`: pool shape and plan digest checks.
+- :mod:`~lightning_hydra.strategy.tensor`, :mod:`~lightning_hydra.strategy.tensor_pool`: tensor parallelism.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ def pool_memory(
     num_microbatches: int,
     pipeline_stages: int,
     ulysses_blocks: int,
+    tensor_parallel: int = 1,
 ) -> MemoryBreakdown:
     """The memory model for ``module`` on one rank of a pool (pure; see
     :func:`lightning_hydra.planner.memory.memory_capacity` for the terms).
@@ -83,6 +84,8 @@ def pool_memory(
         num_microbatches: Microbatches per step.
         pipeline_stages: Pipeline stages.
         ulysses_blocks: Ulysses communicators this rank belongs to.
+        tensor_parallel: TP degree (``pool`` counts TP groups; state and activations per rank divide as
+            :mod:`lightning_hydra.planner.memory` says).
     """
     return memory_capacity(
         memory_shape(module),
@@ -97,6 +100,7 @@ def pool_memory(
         ulysses_blocks=ulysses_blocks,
         communicator_bytes=NCCL_COMMUNICATOR_BYTES if device.type == "cuda" else 0.0,
         pipeline_stages=pipeline_stages,
+        tensor_parallel=tensor_parallel,
     )
 
 

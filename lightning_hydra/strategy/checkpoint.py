@@ -5,7 +5,7 @@ optimizer state (``get_model_state_dict`` / ``get_optimizer_state_dict``), rank 
 of Lightning's checkpoint (loop and data-module positions, the calibrated cost model and the calibrator). Loading
 reshards to the pool at hand: a checkpoint saved on 4 ranks resumes on 2, and since global batches never depend on
 the world size the run continues with the same batches. A replica pool keeps Lightning's single file (rank 0
-writes it), which loads into either kind of pool.
+writes it), which loads into either kind of pool, and reads a sharded directory whole (:func:`load_full_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["full_state_dict", "is_sharded_checkpoint", "load_sharded_checkpoint", "save_sharded_checkpoint"]
+__all__ = [
+    "full_state_dict",
+    "is_sharded_checkpoint",
+    "load_full_checkpoint",
+    "load_sharded_checkpoint",
+    "save_sharded_checkpoint",
+]
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -74,6 +80,34 @@ def load_sharded_checkpoint(
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, wanted[f"optimizer_{i}"])
     return torch.load(path / _METADATA_FILENAME, weights_only=False)
+
+
+def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A sharded directory (saved by a sharded, staged or tensor-parallel pool) as a replica pool's single-file
+    checkpoint: the whole model state and each optimizer's state in ``torch.optim``'s own form (parameters
+    numbered in its groups' order, as the saving optimizer held them), with the rest of the checkpoint. Every rank
+    reads the whole checkpoint; no collective.
+
+    Args:
+        path: The directory :func:`save_sharded_checkpoint` wrote.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path)
+    saved: dict[str, Any] = {}
+    _load_state_dict(saved, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    checkpoint = torch.load(path / _METADATA_FILENAME, weights_only=False)
+    checkpoint["state_dict"] = saved.pop("state_dict")
+    optimizers = []
+    for i in range(len(saved)):
+        named = saved[f"optimizer_{i}"]  # get_optimizer_state_dict's form: parameters by their names
+        index = {name: k for k, name in enumerate(n for group in named["param_groups"] for n in group["params"])}
+        groups = [{**group, "params": [index[n] for n in group["params"]]} for group in named["param_groups"]]
+        optimizers.append({"state": {index[n]: v for n, v in named["state"].items()}, "param_groups": groups})
+    checkpoint["optimizer_states"] = optimizers
+    return checkpoint
 
 
 def full_state_dict(model: nn.Module, *, sharded: bool, staged: bool, pool_first: bool) -> dict[str, Any]:

@@ -50,7 +50,8 @@ def clip_grad_norm(
         sharded: dict[tuple, list[torch.Tensor]] = {}  # squared local sums, by the mesh dims that shard them
         for grad in grads:
             if isinstance(grad, DTensor):
-                dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+                # sharded mesh dims: Shard, and FSDP's _StridedShard over a TP shard (whose is_shard() is False)
+                dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
                 key = (id(grad.device_mesh), dims)
                 sharded.setdefault(key, [grad.device_mesh]).append(_squared(grad.to_local()))
             else:

@@ -41,6 +41,7 @@ from lightning_hydra.errors import ConfigError
 from lightning_hydra.strategy.checks import check_fits, check_heads, check_pool
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
+from lightning_hydra.strategy.tensor import check_tensor_parallel
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.strategy import HydraStrategy
@@ -72,12 +73,14 @@ def preflight(
     """
     config = strategy.planner_config
     world = max(1, strategy.num_nodes) * max(1, strategy.num_processes)
+    tensor = check_tensor(strategy, model, world)  # with TP, the pool counts one position per TP group
     try:  # with pipeline stages, each stage's pool plans the batch
-        pool = PipelineLayout.of_world(world, getattr(strategy, "pipeline_stages", 1)).pool
+        pool = PipelineLayout.of_world(world // tensor, getattr(strategy, "pipeline_stages", 1)).pool
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     check_pool(pool, config.ranks_per_node)
     heads = model_heads(model)[0] if model is not None else None
+    heads = heads // tensor if heads is not None else None  # what Ulysses splits
     check_heads(heads, config.max_ulysses)
     if not isinstance(datamodule, HydraDataModule):
         return
@@ -94,6 +97,24 @@ def preflight(
         check_fits(
             config, pool, heads, longest=longest, split=split, global_batch_tokens=datamodule.global_batch_tokens
         )
+
+
+def check_tensor(strategy: HydraStrategy, model: pl.LightningModule | None, world: int) -> int:
+    """Check ``tensor_parallel`` against the node, the world and the model's heads (one-line
+    :class:`~lightning_hydra.errors.ConfigError`, see :func:`~lightning_hydra.strategy.tensor.check_tensor_parallel`);
+    returns the TP degree."""
+    tensor = getattr(strategy, "tensor_parallel", 1)
+    heads, kv_heads = model_heads(model) if model is not None else (None, None)
+    config = strategy.planner_config
+    check_tensor_parallel(
+        tensor,
+        world=world,
+        ranks_per_node=config.ranks_per_node * tensor,
+        heads=heads,
+        kv_heads=kv_heads,
+        max_ulysses=config.max_ulysses,
+    )
+    return tensor
 
 
 def _run_preflight(strategy: HydraStrategy, trainer: pl.Trainer | None, args: tuple[Any, ...]) -> None:

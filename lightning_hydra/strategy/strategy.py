@@ -42,6 +42,7 @@ from lightning_hydra.strategy.capacity import configure_cuda_allocator, device_b
 from lightning_hydra.strategy.checkpoint import (
     full_state_dict,
     is_sharded_checkpoint,
+    load_full_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
@@ -52,6 +53,8 @@ from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.prelaunch import CheckedSubprocessLauncher, SpawnLauncher
 from lightning_hydra.strategy.runtime import model_heads, with_node_size
 from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model, sync_module_states
+from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize
+from lightning_hydra.strategy.tensor_pool import TensorPoolRuntime
 
 __all__ = ["HydraStrategy"]
 
@@ -97,6 +100,7 @@ class HydraStrategy(ParallelStrategy):
         activation_checkpointing: str = "none",
         memory_budget: int | float | str | None = None,
         pipeline_stages: int = 1,
+        tensor_parallel: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -137,6 +141,12 @@ class HydraStrategy(ParallelStrategy):
                 ``s`` = global ranks ``[s * pool, (s + 1) * pool)``), every stage plans the same global batch onto its
                 pool and runs our 1F1B schedule; see :mod:`lightning_hydra.strategy.pipeline`. The model must split
                 (``pipeline_stage``/``stage_forward``: DecoderLM and Llama-family HFCausalLM do).
+            tensor_parallel: TP degree ``T`` (``T`` consecutive ranks inside a node split every block by torch's
+                ``parallelize_module``; plans are made for the ``world / T`` pool positions and the CP groups formed
+                per TP rank); see :mod:`lightning_hydra.strategy.tensor`. The reference decoder and Llama-family
+                HFCausalLM, with ``sharding`` ``"none"``, ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's
+                ``"pool"`` dimension, as torchtitan composes them) and any ``pipeline_stages`` (a stage's blocks are
+                split after the stage split).
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -178,6 +188,10 @@ class HydraStrategy(ParallelStrategy):
         if not self.auto_capacity:
             _positive_int("max_tokens_per_rank (or 'auto')", max_tokens_per_rank)
         self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
+        self.tensor_parallel = _positive_int("tensor_parallel", tensor_parallel)
+        check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
+        if self.tensor_parallel > 1 and sharding == "hsdp":
+            raise ValueError("tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'")
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -189,7 +203,7 @@ class HydraStrategy(ParallelStrategy):
             policy=policy,
             max_tokens_per_rank=1 if self.auto_capacity else int(max_tokens_per_rank),
             num_microbatches=_positive_int("num_microbatches", num_microbatches),
-            ranks_per_node=_positive_int("ranks_per_node", ranks_per_node),
+            ranks_per_node=_positive_int("ranks_per_node", ranks_per_node) // self.tensor_parallel,
             max_ulysses=None if ulysses_degree == "auto" else int(ulysses_degree),
             max_ring=max_ring,
             cost=cost,
@@ -207,6 +221,7 @@ class HydraStrategy(ParallelStrategy):
         self._start_method = start_method
         self._wrapped = 0
         self._staged = False
+        self._parallelized = False
         self._restored_cost: CostModel | None = None
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -282,17 +297,21 @@ class HydraStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.layout = PipelineLayout.of_world(self.world_size, self.pipeline_stages)
+        tensor = self.tensor_parallel
+        check_tensor_parallel(tensor, world=self.world_size, ranks_per_node=self.planner_config.ranks_per_node * tensor)
+        self.layout = PipelineLayout.of_world(self.world_size // tensor, self.pipeline_stages)
         check_pool(self.layout.pool, self.planner_config.ranks_per_node)
         self._setup_runtime()
 
     def _setup_runtime(self) -> None:
         if self.runtime is None or self.runtime.closed:
             assert self.layout is not None
-            self.runtime = PoolRuntime(
+            tensor = self.tensor_parallel
+            kwargs: dict[str, Any] = {"tensor": tensor} if tensor > 1 else {}
+            self.runtime = (TensorPoolRuntime if tensor > 1 else PoolRuntime)(
                 planner_config=self.planner_config,
                 device=self.root_device,
-                global_rank=self.layout.position(self.global_rank),
+                global_rank=self.layout.position(self.global_rank // tensor),
                 world_size=self.layout.pool,
                 layout=self.layout,
                 world_rank=self.global_rank,
@@ -300,6 +319,7 @@ class HydraStrategy(ParallelStrategy):
                 calibrator=self.calibrator,
                 backend=self._process_group_backend,
                 local_world_size=self.num_processes,
+                **kwargs,
             )
         if self._restored_cost is not None:
             self.runtime.cost_model = self._restored_cost
@@ -325,11 +345,12 @@ class HydraStrategy(ParallelStrategy):
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
             sharding=self.sharding,
             checkpointing=self.activation_checkpointing,
-            pool=self.world_size // self.pipeline_stages,
+            pool=self.world_size // (self.pipeline_stages * self.tensor_parallel),
             ranks_per_node=self.planner_config.ranks_per_node,
             num_microbatches=self.planner_config.num_microbatches,
             pipeline_stages=self.pipeline_stages,
             ulysses_blocks=ulysses_blocks,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def _resolve_capacity(self, ulysses_blocks: int) -> None:
@@ -360,6 +381,11 @@ class HydraStrategy(ParallelStrategy):
             split(self.runtime.stage, self.pipeline_stages)
             self._staged = True
             rank_zero_info(f"HydraStrategy: {self.pipeline_stages} pipeline stages of {self.runtime.world_size} ranks")
+        if isinstance(self.runtime, TensorPoolRuntime) and not self._parallelized:
+            assert self.runtime.mesh is not None
+            blocks = parallelize(self.model, self.runtime.mesh["tp"])
+            self._parallelized = True  # the model is split once, whatever fits follow
+            rank_zero_info(f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks")
         self._setup_memory(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -382,13 +408,17 @@ class HydraStrategy(ParallelStrategy):
         if self.runtime.sharding is not None:
             return  # a second fit of the same strategy: the model is sharded already
         assert self.layout is not None
-        mesh = build_mesh(
-            self.sharding,
-            self.layout.pool,
-            min(self.planner_config.ranks_per_node, self.layout.pool),
-            self.root_device.type,
-            stages=self.layout.stages,
-        )
+        if isinstance(self.runtime, TensorPoolRuntime):  # FSDP2 over the pool dimension of the TP mesh
+            assert self.runtime.mesh is not None
+            mesh = self.runtime.mesh["pool"]
+        else:
+            mesh = build_mesh(
+                self.sharding,
+                self.layout.pool,
+                min(self.planner_config.ranks_per_node, self.layout.pool),
+                self.root_device.type,
+                stages=self.layout.stages,
+            )
         mixed = str(getattr(self.precision_plugin, "precision", "")) == "bf16-mixed"
         self.runtime.sharding = shard_model(model, self.sharding, mesh, mixed_precision=mixed)
         rank_zero_info(
@@ -401,7 +431,7 @@ class HydraStrategy(ParallelStrategy):
     def is_sharded(self) -> bool:
         """Whether a rank holds only part of the training state (sharding, or pipeline stages): checkpoints are
         then ``torch.distributed.checkpoint`` directories."""
-        return self.sharding != "none" or self.pipeline_stages > 1
+        return self.sharding != "none" or self.pipeline_stages > 1 or self.tensor_parallel > 1
 
     @property
     @override
@@ -446,7 +476,8 @@ class HydraStrategy(ParallelStrategy):
         assert self.model is not None
         staged = self.runtime is not None and self.runtime.stages > 1
         first = self.runtime is None or self.runtime.global_rank == 0
-        return full_state_dict(self.model, sharded=self.sharding != "none", staged=staged, pool_first=first)
+        sharded = self.sharding != "none" or self.tensor_parallel > 1  # DTensors, gathered to full tensors
+        return full_state_dict(self.model, sharded=sharded, staged=staged, pool_first=first)
 
     @override
     def model_to_device(self) -> None:
@@ -480,7 +511,8 @@ class HydraStrategy(ParallelStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         self._wrapped = apply_cp(model, self.cp)
-        check_heads(model_heads(model)[0], self.planner_config.max_ulysses)
+        heads = model_heads(model)[0]
+        check_heads(None if heads is None else heads // self.tensor_parallel, self.planner_config.max_ulysses)
         rank_zero_info(f"HydraStrategy: {self._wrapped} attention modules route through the CP engine")
         self._add_monitor(model)
         trainer = getattr(model, "_trainer", None)
@@ -528,10 +560,11 @@ class HydraStrategy(ParallelStrategy):
         is known only after set-up, and the check waits for it."""
         if self.auto_capacity and self.memory is None:
             return
+        heads = model_heads(self.lightning_module)[0]
         check_fits(
             self.planner_config,
-            self.world_size,
-            model_heads(self.lightning_module)[0],
+            self.world_size // self.tensor_parallel,
+            None if heads is None else heads // self.tensor_parallel,
             longest=longest,
             split=split,
             global_batch_tokens=global_batch_tokens,
@@ -550,7 +583,7 @@ class HydraStrategy(ParallelStrategy):
             from lightning_hydra.strategy.runtime import model_cost
 
             cost = model_cost(self.lightning_module)
-        pool = max(self.world_size // self.pipeline_stages, 1)
+        pool = max(self.world_size // (self.pipeline_stages * self.tensor_parallel), 1)
         return with_node_size(cost, self.planner_config.ranks_per_node, pool)
 
     @property
@@ -592,6 +625,8 @@ class HydraStrategy(ParallelStrategy):
             path = self.broadcast(checkpoint_path)
             assert self.model is not None
             checkpoint = load_sharded_checkpoint(path, self.model, list(self.optimizers))
+        elif is_sharded_checkpoint(checkpoint_path):  # a sharded or TP pool's directory into a replica pool
+            checkpoint = load_full_checkpoint(checkpoint_path)
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get("hydra")

@@ -1,0 +1,118 @@
+"""The chunked cross-entropy of a vocabulary-parallel LM head: no rank ever holds a row of full logits.
+
+Under tensor parallelism ``T`` the head's weight ``[V, h]`` is split by rows over the TP group (``ColwiseParallel``:
+rank ``t`` holds vocabulary ids ``[t V / T, (t + 1) V / T)``). Per chunk of tokens each rank computes its
+``[c, V / T]`` float32 logits and the group agrees, with three all-reduces of ``c`` values, on each token's maximum,
+sum of exponentials and target logit (held by one rank), giving the log-sum-exp and the loss. The forward keeps the
+hidden states, the weight shard and the per-token log-sum-exp (float32); the backward recomputes each chunk's local
+logits, forms ``softmax - onehot`` on the shard, and all-reduces the hidden states' gradient (a sum over the
+vocabulary shards). The result equals :func:`~lightning_hydra.models.losses.chunked_cross_entropy` of the whole
+head up to float32 rounding of the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_hydra.models.losses import _chunk_tokens, _compute_dtype
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        offset: int,
+        group: dist.ProcessGroup,
+        ignore_index: int,
+        chunk: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        w = weight.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            logits = (hidden[start : start + chunk].to(dtype) @ w.t()).float()
+            lab = labels[start : start + chunk]
+            valid = lab != ignore_index
+            local = lab - offset
+            mine = valid & (local >= 0) & (local < w.shape[0])
+            top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            sums = _all_reduce(torch.exp(logits - top[:, None]).sum(dim=-1), dist.ReduceOp.SUM, group)
+            picked = logits.gather(1, torch.where(mine, local, 0)[:, None])[:, 0]
+            picked = _all_reduce(torch.where(mine, picked, 0.0), dist.ReduceOp.SUM, group)
+            chunk_lse = top + torch.log(sums)
+            lse[start : start + chunk] = chunk_lse
+            total += torch.where(valid, chunk_lse - picked, 0.0).sum()
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.args = (offset, group, ignore_index, chunk, dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        hidden, weight, labels, lse = ctx.saved_tensors
+        offset, group, ignore_index, chunk, dtype = ctx.args
+        w = weight.to(dtype)
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk].to(dtype)
+            lab = labels[start : start + chunk]
+            valid = lab != ignore_index
+            local = lab - offset
+            mine = valid & (local >= 0) & (local < w.shape[0])
+            d_logits = torch.exp((h @ w.t()).float() - lse[start : start + chunk, None])
+            rows = torch.arange(lab.numel(), device=lab.device)[mine]
+            d_logits[rows, local[mine]] -= 1.0
+            d_logits = (d_logits * (valid[:, None] * grad)).to(dtype)
+            partial = _all_reduce(d_logits @ w, dist.ReduceOp.SUM, group)  # a sum over the vocabulary's shards
+            d_hidden[start : start + chunk] = partial.to(hidden.dtype)
+            d_weight += (d_logits.t() @ h).float()
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    hidden: torch.Tensor,
+    weight: DTensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Sum of the token cross-entropies of ``hidden @ weight.T`` against ``labels``, ``weight`` a DTensor split by
+    rows (the vocabulary) over a 1-D TP mesh; every rank of the mesh calls it with the same ``hidden`` and
+    ``labels`` and gets the same sum.
+
+    Args:
+        hidden: ``[t, h]`` final hidden states (replicated over the TP group).
+        weight: ``[V, h]`` LM head weight, ``Shard(0)`` over the TP mesh (``V`` a multiple of its size).
+        labels: ``[t]`` target ids.
+        ignore_index: Label of tokens that are not trained.
+        chunk_tokens: Tokens per chunk (default: as many as ``LOGIT_BYTES`` of float32 logits of the shard allow).
+
+    Returns:
+        A float32 scalar; its gradient reaches the weight's shard (as a DTensor gradient) and ``hidden``.
+    """
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or not weight.placements[0].is_shard(0) or weight.shape[0] % mesh.size():
+        raise ValueError(
+            f"a vocabulary-parallel head is Shard(0) over a 1-D mesh dividing its {weight.shape[0]} rows, got "
+            f"{weight.placements} over {mesh.ndim} dims"
+        )
+    local = weight.to_local()  # differentiable: the shard's gradient becomes the DTensor's
+    offset = mesh.get_local_rank() * local.shape[0]
+    chunk = _chunk_tokens(local.shape[0], chunk_tokens)
+    return _VocabParallelCrossEntropy.apply(
+        hidden, local, labels, offset, mesh.get_group(), ignore_index, chunk, _compute_dtype(hidden)
+    )

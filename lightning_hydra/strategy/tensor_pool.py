@@ -1,0 +1,192 @@
+"""The pool's runtime under tensor parallelism: ``T`` copies of every CP group, one per TP rank.
+
+Plans are made for the pool's ``N`` positions (see :mod:`lightning_hydra.strategy.tensor` for the layout); this
+runtime maps a plan's group of positions to the global ranks of this rank's TP index, creates the communicators of
+every TP index's copy, and sums gradients, losses and objects over the ``"pool"`` dimension of the device mesh
+(TP-rank-equal ranks of one stage), where :class:`~lightning_hydra.strategy.pool.PoolRuntime` uses the world.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_hydra.cp.groups import aligned_blocks
+from lightning_hydra.metrics.record import StepGather
+from lightning_hydra.planner import CostModel, Group
+from lightning_hydra.strategy.checks import check_digests
+from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.pool import PoolRuntime
+from lightning_hydra.strategy.runtime import GradientSync
+from lightning_hydra.strategy.tensor import tensor_mesh
+
+__all__ = ["TensorGradientSync", "TensorPoolRuntime"]
+
+
+class TensorGradientSync:
+    """Sums this rank's gradients (DTensor shards as their local tensors) over the pool in one flat all-reduce per
+    dtype after the step's last backward (not overlapped with it)."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+        """Args:
+        params: The parameters to reduce (those with ``requires_grad``).
+        group: The pool's process group of this rank's TP index and stage.
+        """
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+
+    def begin(self) -> None:
+        """Nothing: gradients accumulate locally over the step's microbatches."""
+
+    def arm(self) -> None:
+        """Nothing: the sum runs in :meth:`finish`."""
+
+    def must_run(self, index: int, last: int) -> bool:
+        """Never: an idle rank's whole TP group is idle, and the pool's sum waits for the step's end."""
+        return False
+
+    def finish(self) -> None:
+        """Sum every gradient over the pool (a rank whose parameter got none contributes zeros)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_dtype.setdefault(local.dtype, []).append(local)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+class TensorPoolRuntime(PoolRuntime):
+    """:class:`~lightning_hydra.strategy.pool.PoolRuntime` of a world of ``stages x pool x tensor`` ranks.
+
+    ``global_rank`` and ``world_size`` stay this rank's pool position and the pool's size (what plans are made
+    for); ``world_rank`` is the rank in the default process group, ``tensor_rank`` its index in its TP group.
+    :attr:`positions` is the stages x pool positions layout plans are made for; :attr:`layout` the stages x
+    ``pool * T`` global ranks (stage ``s`` is global ranks ``[s * pool * T, (s + 1) * pool * T)``), so that the
+    pipeline's links, the stage sums and the world gathers of :class:`PoolRuntime` address global ranks.
+    """
+
+    def __init__(self, *, tensor: int, world_rank: int, **kwargs: Any) -> None:
+        """Args:
+        tensor: The TP degree ``T``.
+        world_rank: This rank in the default process group.
+        **kwargs: See :class:`~lightning_hydra.strategy.pool.PoolRuntime` (``layout``: stages x pool positions).
+        """
+        super().__init__(world_rank=world_rank // tensor, **kwargs)  # stage and offset in pool positions
+        self.positions = self.layout
+        """Stages x pool positions (what plans are made for)."""
+        self.layout = PipelineLayout(stages=self.positions.stages, pool=self.positions.pool * tensor)
+        self.tensor = tensor
+        self.tensor_rank = world_rank % tensor
+        self.world_rank = world_rank
+        self.mesh: DeviceMesh | None = None
+        """The device mesh ``("pp", "pool", "tp")`` (after :meth:`setup`)."""
+        self.tensor_equal_group: dist.ProcessGroup | None = None
+        """The ranks of this TP index in every stage (after :meth:`setup`): losses are summed over it."""
+        self._tensor_sync: TensorGradientSync | None = None
+
+    @property
+    def heads(self) -> tuple[int | None, int | None]:
+        """``(num_heads, num_kv_heads)`` of one TP rank's attention (what Ulysses splits)."""
+        heads, kv_heads = super().heads
+        return (None if heads is None else heads // self.tensor, None if kv_heads is None else kv_heads // self.tensor)
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model plans use now: given, calibrated, or the module's analytic one for a TP rank."""
+        if self._cost is None:
+            self._cost = self._with_node(self.module.cost_model(tensor_parallel=self.tensor))  # type: ignore[union-attr]
+        return self._cost
+
+    @cost_model.setter
+    def cost_model(self, cost: CostModel) -> None:
+        PoolRuntime.cost_model.fset(self, cost)  # type: ignore[attr-defined]
+
+    @property
+    def world(self) -> int:
+        """Ranks of the default process group (every stage, position and TP rank)."""
+        return self.layout.world_size
+
+    def _ranks(self, positions: tuple[int, ...], stage: int, tensor_rank: int) -> tuple[int, ...]:
+        base = stage * self.positions.pool
+        return tuple((base + p) * self.tensor + tensor_rank for p in positions)
+
+    def _copies(self, positions: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Global ranks of a group of positions in every stage and TP index, in one global order."""
+        return [self._ranks(positions, s, t) for s in range(self.positions.stages) for t in range(self.tensor)]
+
+    def setup(self) -> int:
+        """Create the device mesh (its ``"pool"`` dimension is the gradient sum's group), then every TP index's copy
+        of every aligned Ulysses block's communicator; a second call creates none. Returns the CP communicators
+        created."""
+        if self.mesh is None:
+            self.mesh = tensor_mesh(
+                self.device.type, stages=self.positions.stages, pool=self.positions.pool, tensor=self.tensor
+            )
+            self.stage_group = self.mesh["pool"].get_group()
+            self.tensor_equal_group = self.stage_group
+            if self.stages > 1:  # every rank creates every TP index's group (all stages), in order
+                for t in range(self.tensor):
+                    pg = dist.new_group(list(range(t, self.world, self.tensor)))
+                    if t == self.tensor_rank:
+                        self.tensor_equal_group = pg
+        local = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
+        made = self.cache.create(copy for block in local for copy in self._copies(block))
+        if made:
+            self.cache.warm_up(self.world_rank, self.device)
+        return made
+
+    def to_global(self, record: Group) -> Group:
+        """A plan's group (pool positions) as global ranks of this stage and TP index."""
+        return Group(
+            self._ranks(record.ranks, self.stage, self.tensor_rank), record.ulysses, record.ring, record.seq_ids
+        )
+
+    def begin_step(self, batch: Any) -> None:
+        """Check the plan digest on every rank of the world, then make sure every copy of its groups exists."""
+        planned = getattr(batch, "world_size", self.world_size)
+        if planned != self.world_size:
+            raise RuntimeError(f"the batch was planned for {planned} ranks, but the pool has {self.world_size}")
+        check_digests(batch.digest, self.world, device=self.device)
+        made = self.cache.prepare(
+            Group(copy, g.ulysses, g.ring) for g in batch.groups for copy in self._copies(g.ranks)
+        )
+        if made:
+            self.cache.warm_up(self.world_rank, self.device)
+
+    def gradient_sync(self, module: nn.Module) -> GradientSync:
+        """FSDP's reduce-scatter over the pool for a sharded model; otherwise the sum of local gradient shards over
+        the pool (built once; rebuilt if the parameters change)."""
+        if self.sharding is not None:
+            return super().gradient_sync(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if self._tensor_sync is None or [id(p) for p in self._tensor_sync.params] != [id(p) for p in params]:
+            assert self.stage_group is not None, "TensorPoolRuntime.setup has not run"
+            self._tensor_sync = TensorGradientSync(params, self.stage_group)
+        return self._tensor_sync
+
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum of a tensor over the pool of every stage (TP ranks hold the same value: each is counted once)."""
+        out = value.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.tensor_equal_group)
+        return out
+
+    def _gather_rows(self, row: np.ndarray) -> np.ndarray:
+        """Every rank's row, then TP rank 0's of each position (its TP peers measured the same work)."""
+        if self._gather is None or self._gather.row_size != row.size:
+            self._gather = StepGather(self.world, row.size).to(self.device)
+        self._gather.reset()
+        self._gather.update(row)
+        return self._gather.compute().cpu().numpy()[:: self.tensor]

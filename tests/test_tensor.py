@@ -1,0 +1,361 @@
+"""Tensor parallelism composed with dynamic CP on real processes: TP 2 x pool 2 on 4 gloo ranks trains the same
+parameters as one process; bad TP settings stop before launch with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
+from lightning_hydra.cp import CPContext
+from lightning_hydra.errors import ConfigError
+from lightning_hydra.planner import BatchPlanner, CostModel, PlannerConfig
+from lightning_hydra.planner.memory import LLAMA3_8B, activation_bytes_per_token, memory_capacity, model_state_bytes
+from lightning_hydra.strategy.capacity import memory_shape
+from lightning_hydra.strategy.prelaunch import preflight
+from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, tensor_mesh
+from lightning_hydra.testing import quiet_trainer, run_world
+from tests.test_sharding import make_dataset, make_model  # the sharding tests' data and model (SGD, clipping)
+
+
+class Record(pl.Callback):
+    """Every rank writes its losses, grad norms, idle microbatches and full (gathered) parameters."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.idle = 0
+        self.kinds: list[str] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.idle += sum(mb.num_tokens == 0 for mb in batch.microbatches)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+        self.norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+
+    def on_train_end(self, trainer, module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = {}
+        for name, p in module.named_parameters():
+            self.kinds.append(type(p.data).__name__)
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective for DTensors
+            params[name] = full.tolist()
+        row = {"losses": self.losses, "norms": self.norms, "idle": self.idle, "params": params, "kinds": self.kinds}
+        Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(row))
+
+
+def _fit(tmp: Path, name: str, model: DecoderLM, devices: int, steps: int, strategy=None) -> list[dict]:
+    out = tmp / f"{name}.json"
+    trainer = quiet_trainer(devices, strategy, callbacks=[Record(out)], max_steps=steps)
+    trainer.fit(model, HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
+
+
+def _strategy(**kw) -> HydraStrategy:
+    return HydraStrategy(
+        max_tokens_per_rank=kw.pop("capacity", 160),
+        ranks_per_node=kw.pop("ranks_per_node", 4),
+        start_method="forkserver",
+        kernel="cpu",
+        cost=make_model().cost_model().replace(min_chunk_tokens=16),
+        monitor=False,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, DecoderLM]:
+    model = make_model()
+    return _fit(tmp_path_factory.mktemp("ref"), "ref", model, 1, 3)[0], model
+
+
+@pytest.mark.parametrize(("sharding", "stages"), [("none", 1), ("zero2", 1), ("zero3", 1), ("none", 2)])
+def test_tp2_trains_like_one_process(tmp_path: Path, reference, sharding: str, stages: int) -> None:
+    """TP 2 x pool 2 (replicas, zero2, zero3) and TP 2 x PP 2 (pool 1) on 4 gloo ranks."""
+    ref, reference_model = reference
+    model = make_model()
+    # the static policy at one degree over 6 microbatches leaves pool positions idle in some microbatches: their
+    # whole TP group sits out together (replicas), or runs a zero-token pass together (zero2's last microbatch), so
+    # TP's collectives stay aligned
+    strategy = _strategy(
+        tensor_parallel=2,
+        policy="static",
+        num_microbatches=6,
+        sharding=sharding,
+        pipeline_stages=stages,
+        capacity=160 * stages,  # a pool of 1 (two stages) must hold the longest sequence alone
+    )
+    ranks = _fit(tmp_path, "tp", model, 4, 3, strategy)
+    assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert max(ranks[0]["norms"]) > 0.2  # clipping changed the update (and stayed exact)
+    assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    if stages == 1:
+        assert sum(r["idle"] for r in ranks) > 0  # some ranks were idle in some microbatch
+    assert "DTensor" in ranks[0]["kinds"]  # the projections really are TP shards
+    for name, p in reference_model.named_parameters():
+        expected = p.detach()
+        holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
+        assert len(holders) == 4 // stages, name
+        for rank in holders:
+            got = torch.tensor(rank["params"][name], dtype=expected.dtype)
+            rel = (got - expected).norm() / expected.norm()
+            assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+
+
+@pytest.mark.parametrize(
+    ("tensor", "kw", "message"),
+    [
+        (3, {"world": 6, "ranks_per_node": 4}, r"tensor_parallel=3 does not divide ranks_per_node=4.*\[1, 2, 4\]"),
+        (4, {"world": 6, "ranks_per_node": 8}, r"does not divide the world of 6 ranks; use one of \[1, 2, 3, 6\]"),
+        (4, {"world": 8, "ranks_per_node": 8, "heads": 6}, r"does not divide the model's 6 attention heads"),
+        (4, {"world": 8, "ranks_per_node": 8, "heads": 8, "kv_heads": 2}, r"does not divide the model's 2 KV heads"),
+        (2, {"world": 8, "ranks_per_node": 8, "heads": 4, "max_ulysses": 4}, r"2 x ulysses_degree=4 exceeds.*<= 2"),
+    ],
+)
+def test_bad_tensor_parallel_is_one_line(tensor: int, kw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        check_tensor_parallel(tensor, **kw)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_tensor_parallel_stops_before_launch() -> None:
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
+    strategy.parallel_devices = [torch.device("cpu")] * 6  # 6 ranks on one node of 4: TP 2 divides it
+    model = DecoderLM(hidden_size=48, num_heads=6, num_kv_heads=3)
+    with pytest.raises(ConfigError, match="does not divide the model's 3 KV heads"):
+        preflight(strategy, model, None)
+    with pytest.raises(ConfigError, match="does not divide ranks_per_node=4"):
+        HydraStrategy(tensor_parallel=3, ranks_per_node=4)
+    with pytest.raises(ValueError, match="tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'"):
+        HydraStrategy(tensor_parallel=2, sharding="hsdp")
+
+
+def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:
+    """Bytes per token of the distinct tensors autograd saves in one forward on this TP rank (local shards;
+    parameters excluded), for both checkpointing modes."""
+    from torch.distributed.tensor import DTensor
+
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    torch.manual_seed(0)
+    model = DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384).to(dtype)
+    parallelize(model, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"])
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    tokens, out = 512, {}
+    for mode in ("none", "selective"):
+        model.set_activation_checkpointing(mode)
+        seen: dict[int, int] = {}
+
+        def pack(x: torch.Tensor, seen=seen) -> torch.Tensor:
+            storage = local(x).untyped_storage()
+            if x.numel():
+                seen[storage.data_ptr()] = storage.nbytes()
+            return x
+
+        ids = torch.randint(0, 250, (tokens,))
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x),
+            model.local_cp.use(CPContext.local_group(), [0, tokens]),
+        ):
+            model(ids, torch.arange(tokens), labels=ids)
+        out[mode] = sum(v for k, v in seen.items() if k not in params) / tokens
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tp_activation_model_matches_what_autograd_saves(dtype: torch.dtype) -> None:
+    measured = run_world(2, _saved_on_tp_rank, dtype)
+    assert measured[0] == measured[1]
+    shape = memory_shape(DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384))
+    precision = "32-true" if dtype == torch.float32 else "bf16-true"
+    for mode, saved in measured[0].items():
+        tp = activation_bytes_per_token(shape, checkpointing=mode, precision=precision, tensor_parallel=2)
+        assert tp["blocks"] + tp["once"] == pytest.approx(saved, rel=0.02), mode
+        whole = activation_bytes_per_token(shape, checkpointing=mode, precision=precision)
+        assert tp["blocks"] < whole["blocks"]
+
+
+def test_memory_and_cost_models_know_tensor_parallelism() -> None:
+    kw = {"sharding": "zero2", "precision": "bf16-mixed", "world_size": 8, "ranks_per_node": 1, "num_microbatches": 8}
+    assert model_state_bytes(LLAMA3_8B, tensor_parallel=1, **kw) == model_state_bytes(LLAMA3_8B, **kw)
+    tp8 = model_state_bytes(LLAMA3_8B, tensor_parallel=8, **kw)
+    whole = 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.hidden_size  # embedding and head stay whole on every TP rank
+    expected = LLAMA3_8B.num_params - LLAMA3_8B.num_layers * LLAMA3_8B.projection_params * 7 / 8
+    assert tp8["optimizer"] == pytest.approx(8 * expected / 8)  # AdamW's 8 bytes per parameter over 8 pool ranks
+    assert expected > whole
+    caps = {
+        t: memory_capacity(LLAMA3_8B, budget=80e9, checkpointing="selective", tensor_parallel=t, **kw).capacity
+        for t in (1, 8)
+    }
+    assert caps[8] > 4 * caps[1]
+
+    shape = {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336}
+    assert CostModel.for_transformer(**shape, tensor_parallel=1) == CostModel.for_transformer(**shape)
+    one, eight = CostModel.for_transformer(**shape), CostModel.for_transformer(**shape, tensor_parallel=8)
+    assert eight.attn == pytest.approx(one.attn / 8)
+    assert eight.a2a_bytes_per_token == pytest.approx(one.a2a_bytes_per_token / 8)
+    free = CostModel.for_transformer(**shape, tensor_parallel=8, intra_node_bandwidth=float("inf"))
+    assert one.linear / 8 < free.linear < eight.linear  # the head stays whole; TP's all-reduces cost time
+    # a TP-8 rank is faster: the same batch plans to a shorter predicted step
+    lengths = torch.randint(100, 20000, (64,), generator=torch.Generator().manual_seed(0)).numpy()
+    steps = []
+    for t, cost in ((1, one), (8, eight)):  # 16 pool positions: 16 GPUs, or 16 TP groups of 8
+        config = PlannerConfig(policy="hydra", max_tokens_per_rank=16384, num_microbatches=4, ranks_per_node=8 // t)
+        plan = BatchPlanner(config=config, world_size=16, num_heads=32 // t).plan(lengths, seed=0, cost=cost)
+        steps.append(float(plan.loads(cost).max(axis=1).sum()))
+    assert steps[1] < steps[0]
+
+
+def test_auto_capacity_counts_tensor_parallelism() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    capacities = {}
+    for tensor in (1, 2):
+        env = LightningEnvironment()
+        env.set_world_size(4)
+        env.set_global_rank(0)
+        strategy = HydraStrategy(
+            parallel_devices=[torch.device("cpu")] * 4,
+            cluster_environment=env,
+            max_tokens_per_rank="auto",
+            memory_budget="64MB",
+            ranks_per_node=4,
+            tensor_parallel=tensor,
+        )
+        strategy.connect(DecoderLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
+        strategy._resolve_capacity(ulysses_blocks=1)
+        capacities[tensor] = strategy.planner_config.max_tokens_per_rank
+        assert strategy.planner_config.ranks_per_node == 4 // tensor  # pool positions per node
+    assert capacities[2] > capacities[1] > 0  # half the projections and most activations per rank
+
+
+LLAMA3_70B_ARGS = ["--hidden-size", "8192", "--num-layers", "80", "--num-heads", "64", "--num-kv-heads", "8",
+                   "--ffn-size", "28672"]  # fmt: skip
+
+
+def test_plan_command_sizes_a_70b_shape_at_tensor_parallel_8(capsys) -> None:
+    from lightning_hydra.cli import main
+
+    base = ["plan", "--world-size", "32", "--context", "262144", "--memory", "80GB", *LLAMA3_70B_ARGS, "--json"]
+    assert main([*base, "--tensor-parallel", "8"]) == 0
+    tp8 = json.loads(capsys.readouterr().out)
+    assert main(base) == 0
+    whole = json.loads(capsys.readouterr().out)
+    # Llama-3-70B on 80 GB: 16K+ tokens per rank at TP 8 with zero3 and selective checkpointing; without TP none
+    assert tp8["memory"]["capacity"] == tp8["memory"]["capacities"]["zero3"]["selective"] >= 16384
+    assert whole["memory"]["capacities"]["zero3"]["selective"] < tp8["memory"]["capacity"] / 4
+    assert main(["plan", "--tensor-parallel", "3"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the error on one line
+    assert "error: --tensor-parallel: tensor_parallel=3 does not divide ranks_per_node=8" in last
+    assert main(["plan", "--tensor-parallel", "8", "--num-kv-heads", "4"]) == 2
+    assert "does not divide the model's 4 KV heads; use one of [1, 2, 4]" in capsys.readouterr().err
+
+
+def test_bench_simulates_the_2048_gpu_job_with_and_without_tensor_parallelism() -> None:
+    from lightning_hydra.bench.tp import simulated_2048
+
+    out = simulated_2048(steps=1)
+    assert (out["tp8"]["pool"], out["tp1"]["pool"]) == (64, 512)  # 2,048 GPUs over PP 4 at TP 8, and at TP 1
+    # a 70B stage (17.6B parameters at 6 bytes each) does not fit an 80 GB device without TP; at TP 8 it does
+    assert out["tp1"]["hydra"]["memory_headroom"] < 0 < out["tp8"]["hydra"]["memory_headroom"]
+    for policy, ratio in out["tp8_over_tp1"].items():
+        assert ratio == pytest.approx(out["tp8"][policy]["tokens_per_s"] / out["tp1"][policy]["tokens_per_s"])
+
+
+@pytest.mark.parametrize(("saved", "resumed", "sharding"), [(2, 1, "zero2"), (1, 2, "zero2"), (2, 1, "none")])
+def test_checkpoint_reshards_between_tensor_parallel_degrees(
+    tmp_path: Path, saved: int, resumed: int, sharding: str
+) -> None:
+    """A distributed checkpoint (zero2, AdamW) saved at TP ``saved`` x pool 2 resumes at TP ``resumed`` x pool 2
+    (with ``sharding``; ``"none"``: a replica pool, which reads the directory whole): the resumed step 3 equals the
+    uninterrupted run's (parameters and the AdamW moments they were stepped with)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def model() -> DecoderLM:
+        torch.manual_seed(99)
+        return DecoderLM(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, lr=3e-3, max_grad_norm=0.2)
+
+    def strategy(tensor: int, sharding: str = "zero2") -> HydraStrategy:
+        return _strategy(tensor_parallel=tensor, sharding=sharding, num_microbatches=2, capacity=256)
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1, filename="stop")
+    out = tmp_path / "full.json"
+    trainer = quiet_trainer(
+        2 * saved, strategy(saved), callbacks=[Record(out), ckpt], max_steps=3, enable_checkpointing=True
+    )
+    trainer.fit(model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
+    full = [json.loads(Path(f"{out}.rank0").read_text())]
+    path = tmp_path / "ckpt" / "stop.ckpt"
+    assert path.is_dir()  # a torch.distributed.checkpoint directory
+    out = tmp_path / "resumed.json"
+    trainer = quiet_trainer(2 * resumed, strategy(resumed, sharding), callbacks=[Record(out)], max_steps=3)
+    trainer.fit(model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5), ckpt_path=str(path))
+    again = json.loads(Path(f"{out}.rank0").read_text())
+    assert len(again["losses"]) == 1  # only step 3 ran
+    assert again["losses"][0] == pytest.approx(full[0]["losses"][-1], rel=1e-5)
+    for name, values in full[0]["params"].items():
+        torch.testing.assert_close(torch.tensor(again["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-7)
+
+
+def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path) -> None:
+    """A Hugging Face Llama model splits by the same plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj)."""
+    from lightning_hydra.models.hf import HFCausalLM
+
+    config = {"model_type": "llama", "vocab_size": 258, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512}  # fmt: skip
+
+    def model() -> HFCausalLM:
+        torch.manual_seed(7)
+        return HFCausalLM(config=config, lr=1.0, max_grad_norm=0.2, optimizer="sgd")
+
+    reference = model()
+    ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
+    ranks = _fit(tmp_path, "tp", model(), 4, 3, _strategy(tensor_parallel=2, num_microbatches=4))
+    assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    assert "DTensor" in ranks[0]["kinds"]
+    for name, p in reference.named_parameters():
+        for rank in ranks:
+            got = torch.tensor(rank["params"][name], dtype=p.dtype)
+            assert (got - p.detach()).norm() / p.detach().norm() <= 1e-6, name
+
+
+def _vocab_parallel_against_whole(rank: int, world: int) -> list[float]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_hydra.models.losses import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(258, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 258, (37,), generator=g)
+    labels[::5] = -100  # ignored tokens
+    mesh = tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"]
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    whole = chunked_cross_entropy(h1, w1, labels, chunk_tokens=8)
+    whole.backward()
+    h2 = hidden.clone().requires_grad_(True)
+    w2 = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_(True)
+    split = chunked_cross_entropy(h2, w2, labels, chunk_tokens=8)  # dispatches on the DTensor weight
+    split.backward()
+    return [
+        float(abs(split - whole) / whole),
+        float((h2.grad - h1.grad).norm() / h1.grad.norm()),
+        float((w2.grad.full_tensor() - w1.grad).norm() / w1.grad.norm()),
+        float(w2.grad.to_local().shape[0]),
+    ]
+
+
+def test_vocab_parallel_loss_equals_the_whole_heads() -> None:
+    for differences in run_world(2, _vocab_parallel_against_whole):
+        assert max(differences[:3]) < 1e-6  # float32 logits both ways (log-sum-exp summed in another order)
+        assert differences[3] == 129  # each rank holds half the vocabulary's rows and their gradient
