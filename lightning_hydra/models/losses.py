@@ -12,21 +12,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_hydra.models.logits import LOGIT_BYTES, compute_dtype, tokens_per_chunk
+
 __all__ = ["LOGIT_BYTES", "chunked_cross_entropy"]
-
-LOGIT_BYTES = 1 << 28
-"""Bytes of float32 logits one chunk may hold (256 MiB)."""
-
-
-def _chunk_tokens(vocab: int, chunk_tokens: int | None) -> int:
-    return chunk_tokens if chunk_tokens else max(16, LOGIT_BYTES // (4 * max(vocab, 1)))
-
-
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return hidden.dtype
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -104,5 +92,5 @@ def chunked_cross_entropy(
         return vocab_parallel_cross_entropy(
             hidden, weight, labels, ignore_index=ignore_index, chunk_tokens=chunk_tokens
         )
-    chunk = _chunk_tokens(weight.shape[0], chunk_tokens)
-    return _ChunkedCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, _compute_dtype(hidden))
+    chunk = tokens_per_chunk(weight.shape[0], chunk_tokens)
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, compute_dtype(hidden))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_hydra.models.losses import _chunk_tokens, _compute_dtype
+from lightning_hydra.models.logits import compute_dtype, tokens_per_chunk
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -112,7 +112,7 @@ def vocab_parallel_cross_entropy(
         )
     local = weight.to_local()  # differentiable: the shard's gradient becomes the DTensor's
     offset = mesh.get_local_rank() * local.shape[0]
-    chunk = _chunk_tokens(local.shape[0], chunk_tokens)
+    chunk = tokens_per_chunk(local.shape[0], chunk_tokens)
     return _VocabParallelCrossEntropy.apply(
-        hidden, local, labels, offset, mesh.get_group(), ignore_index, chunk, _compute_dtype(hidden)
+        hidden, local, labels, offset, mesh.get_group(), ignore_index, chunk, compute_dtype(hidden)
     )
