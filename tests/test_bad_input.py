@@ -374,6 +374,43 @@ def test_bad_setups_fail_before_any_rank_starts(tmp_path, model_kw, data_kw, str
     assert list(tmp_path.iterdir()) == []  # and no log directory was created
 
 
+@pytest.mark.parametrize(
+    ("data", "data_kw", "match"),
+    [
+        (
+            [torch.arange(100), torch.arange(5000), torch.arange(30)],
+            {},
+            r"^the train data holds a sequence of 5000 tokens, more than the pool can hold \(4 ranks x 1024 tokens\)",
+        ),
+        ([torch.arange(100), torch.arange(600)], {"max_seq_len": 500}, r"^train sequence 1 has 600 tokens"),
+        ([torch.arange(100), "some text"], {}, r"^the train dataset's item 1: the item holds text"),
+    ],
+)
+def test_an_in_memory_dataset_is_checked_before_any_rank_starts(tmp_path, data, data_kw, match) -> None:
+    import lightning.pytorch as pl
+
+    strategy = HydraStrategy(ranks_per_node=4, max_tokens_per_rank=1024)
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, default_root_dir=tmp_path)
+    with pytest.raises(ConfigError, match=match) as raised:
+        trainer.fit(_tiny(), HydraDataModule(data, global_batch_tokens=1000, **data_kw))
+    assert "\n" not in str(raised.value)  # one line
+    assert strategy.launcher.procs == []  # found in the launching process: no rank was started
+    assert list(tmp_path.iterdir()) == []
+
+
+class _ReadOnDemand(torch.utils.data.Dataset):
+    """A dataset that is not held in memory as a list: its lengths are read at set-up."""
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.items[index]
+
+
 def test_a_run_failing_at_set_up_leaves_no_empty_run_directory(tmp_path) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -384,7 +421,8 @@ def test_a_run_failing_at_set_up_leaves_no_empty_run_directory(tmp_path) -> None
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=HydraStrategy(ranks_per_node=1), max_steps=1, logger=loggers
     )
-    data = HydraDataModule([torch.arange(50), torch.arange(600)], global_batch_tokens=100, max_seq_len=500)
+    data = _ReadOnDemand([torch.arange(50), torch.arange(600)])
+    data = HydraDataModule(data, global_batch_tokens=100, max_seq_len=500)
     with pytest.raises(ConfigError, match="train sequence 1 has 600 tokens, over max_seq_len=500"):
-        trainer.fit(_tiny(), data)  # a list has no lengths(): found at set-up, after the loggers made their folders
+        trainer.fit(_tiny(), data)  # no lengths(), not a list: found at set-up, after the loggers made their folders
     assert not list(tmp_path.rglob("version_*")), list(tmp_path.rglob("*"))

@@ -38,9 +38,10 @@ from typing_extensions import override
 from lightning_hydra._environ import LaunchEnvironment
 from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
 from lightning_hydra.errors import ConfigError
-from lightning_hydra.strategy.checks import check_fits, check_heads, check_pool
+from lightning_hydra.strategy.checks import check_heads, check_pool
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
+from lightning_hydra.strategy.sizing import check_sizing
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.strategy import HydraStrategy
@@ -85,14 +86,19 @@ def preflight(
     splits = {"fit": ("train", "validation"), "validate": ("validation",)}.get(str(getattr(stage, "value", stage)), ())
     if not splits:
         return
-    for split, lengths in datamodule.lengths_before_setup().items():
-        if split not in splits:
-            continue
-        longest = datamodule.check_longest(split, lengths)
-        if getattr(strategy, "auto_capacity", False):
-            continue  # max_tokens_per_rank="auto" is resolved from the memory model at set-up, checked there
-        check_fits(
-            config, pool, heads, longest=longest, split=split, global_batch_tokens=datamodule.global_batch_tokens
+    longest = {
+        split: datamodule.check_longest(split, lengths)
+        for split, lengths in datamodule.lengths_before_setup().items()
+        if split in splits
+    }
+    if longest and not getattr(strategy, "auto_capacity", False):  # "auto" is resolved at set-up, checked there
+        check_sizing(
+            config,
+            pool,
+            heads,
+            longest=longest,
+            global_batch_tokens=datamodule.global_batch_tokens,
+            stages=getattr(strategy, "pipeline_stages", 1),
         )
 
 
