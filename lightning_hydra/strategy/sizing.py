@@ -79,6 +79,7 @@ def check_sizing(
         )
     where = ""
     if stages > 1:
-        where = f"each of the {stages} pipeline stages plans the batch on a pool of {world_size} ranks (world / stages): "
-    other = "; or add ranks" + (", or set HydraDataModule(max_seq_len=..., truncate=True)" if need > cap else "")
+        where = f"each of the {stages} pipeline stages plans the batch on its own pool of {world_size} ranks: "
+    other = "; or add ranks" + (" (or use fewer pipeline_stages)" if stages > 1 else "")
+    other += ", or set HydraDataModule(max_seq_len=..., truncate=True)" if need > cap else ""
     raise ConfigError(f"{where}{'; '.join(problems)}. Values that fit: {' or '.join(fits)}{other}")
