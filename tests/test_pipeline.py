@@ -104,7 +104,9 @@ def test_pipeline_trains_like_one_process(tmp_path: Path, reference, stages: int
     assert first["stages"] == stages
     bubble = first["bubble"]
     assert set(bubble) >= {"bubble/pp", "bubble/pp_projected", "bubble/pp_min"}
-    assert 0 < bubble["bubble/pp"] < 1 and bubble["bubble/pp_min"] == pytest.approx((stages - 1) / (5 + stages))
+    assert 0 < bubble["bubble/pp_min"] <= bubble["bubble/pp"] < 1
+    for rows in ranks:  # every measured step at or above its floor
+        assert all(r["bubble"]["bubble/pp"] >= r["bubble"]["bubble/pp_min"] - 1e-12 for r in rows)
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
 
