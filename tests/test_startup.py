@@ -35,8 +35,8 @@ def _waited(cached: bool, hold: float, monkeypatch: pytest.MonkeyPatch) -> float
         )
         assert other.stdout is not None and other.stdout.readline().strip() == "ready"  # its imports are done
         time.sleep(hold)
-    out, _ = other.communicate(timeout=120)
-    assert other.returncode == 0
+    out = other.stdout.read()  # the same buffered reader as the first line
+    assert other.wait(timeout=120) == 0
     return float(out.strip())
 
 
