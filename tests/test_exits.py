@@ -94,3 +94,29 @@ def test_a_rank_killed_by_sigkill_is_named_in_one_line(tmp_path) -> None:
     assert "Traceback" not in stderr
     assert took < 30, f"ranks still running {took:.0f} s after the kill"
     assert main.returncode != 0
+
+
+def test_a_spawned_rank_that_died_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+    from lightning_hydra import HydraStrategy
+    from lightning_hydra.errors import RankDiedError
+
+    def died(*args, **kwargs):  # what torch's join raises for a rank killed by a signal
+        raise torch.multiprocessing.ProcessExitedException(
+            "process 2 terminated with signal SIGKILL",
+            error_index=2,
+            error_pid=4321,
+            exit_code=-9,
+            signal_name="SIGKILL",
+        )
+
+    monkeypatch.setattr(_MultiProcessingLauncher, "launch", died)
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    devices = [torch.device("cpu")] * 4
+    strategy = HydraStrategy(start_method="spawn", parallel_devices=devices, cluster_environment=LightningEnvironment())
+    strategy._configure_launcher()
+    with pytest.raises(RankDiedError, match=r"^rank 2 \(pid 4321\) was killed by signal 9 \(SIGKILL\)$"):
+        strategy.launcher.launch(lambda: None)

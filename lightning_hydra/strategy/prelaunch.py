@@ -40,7 +40,7 @@ from lightning_hydra._environ import LaunchEnvironment
 from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
 from lightning_hydra.errors import ConfigError, RankDiedError
 from lightning_hydra.strategy.checks import check_heads, check_pool
-from lightning_hydra.strategy.exits import RankWatch
+from lightning_hydra.strategy.exits import RankWatch, exit_reason
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
 from lightning_hydra.strategy.sizing import check_sizing
@@ -195,6 +195,10 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
             self._forkserver_state = (environ, _GlobalStateSnapshot.capture())
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
+        except torch.multiprocessing.ProcessExitedException as exc:  # a rank ended without a Python error
+            rank = self._strategy.node_rank * self._strategy.num_processes + exc.error_index
+            reason = exit_reason(exc.exit_code) or f"exited with status {exc.exit_code} without a Python error"
+            raise RankDiedError(f"rank {rank} (pid {exc.error_pid}) {reason}") from exc
         finally:
             self._forkserver_state = None
 
