@@ -111,8 +111,8 @@ def _cached() -> bool:
 def first_plan() -> Iterator[None]:
     """Around a process's plans: while Numba's cache lacks the kernels, one process of the node plans at a time (an
     exclusive lock on a file in the temporary directory, named after this file), so that the first compiles the
-    kernels and writes the cache, and the others, waiting, then load it; with the cache warm, or without compiled
-    kernels, nothing is locked."""
+    kernels and writes the cache, and the others, waiting, then load it (at once, the lock released); with the
+    cache warm, or without compiled kernels, nothing is locked."""
     if not enabled() or _cached():
         yield
         return
@@ -122,6 +122,8 @@ def first_plan() -> Iterator[None]:
     path = os.path.join(tempfile.gettempdir(), f"lightning_hydra-compile-{key}-{os.getuid()}.lock")
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, however the plan ends
+        if _cached():  # another process wrote the cache while this one waited: load it beside the others
+            fcntl.flock(lock, fcntl.LOCK_UN)
         yield
 
 
