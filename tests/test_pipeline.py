@@ -4,6 +4,7 @@ the layers are dealt by FLOPs, the measured bubble comes from the stages' timeli
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -209,9 +210,9 @@ def test_a_rank_killed_mid_run_ends_every_rank_with_an_error(tmp_path: Path) -> 
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
     )
     # the run ended (no rank hung waiting for the dead one: the timeout above would raise) with an error: each
-    # surviving rank either raised from its broken link or was ended by the launcher once the dead rank was seen,
-    # whichever came first
+    # surviving rank either raised from its broken link or was ended by the launcher once the dead rank was seen
+    # (and named: lightning_hydra.strategy.exits), whichever came first
     assert done.returncode != 0
-    ended = "Forcefully terminating all other processes" in done.stderr
+    ended = re.search(r"stopped: rank 2 \(pid \d+\) exited with status 3 without a Python error", done.stderr)
     raised = all(f"[rank{rank}]: RuntimeError" in done.stderr for rank in (0, 1, 3))
     assert ended or raised, done.stderr[-3000:]
