@@ -113,10 +113,13 @@ def report_error(exc: BaseException, *, rank: int, show_traceback: bool = False)
         rank: This process's global rank.
         show_traceback: Print the full traceback instead (every rank).
     """
-    from lightning_hydra.errors import ConfigError
+    from lightning_hydra.errors import ConfigError, RankDiedError
 
     if show_traceback:
         traceback.print_exception(exc, file=sys.stderr)
+        return
+    if isinstance(exc, RankDiedError):  # the launching process names the rank that died (nobody else can)
+        print(f"lightning-hydra: stopped: {exc}", file=sys.stderr, flush=True)
         return
     secondary = _is_secondary(exc)
     if rank == 0:

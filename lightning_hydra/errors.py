@@ -10,7 +10,7 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ConfigError", "check_bool", "check_choice", "check_int", "check_number"]
+__all__ = ["ConfigError", "RankDiedError", "check_bool", "check_choice", "check_int", "check_number"]
 
 
 class ConfigError(ValueError):
@@ -19,6 +19,11 @@ class ConfigError(ValueError):
     The ``lightning-hydra`` command prints such an error once, from global rank 0, instead of once per rank; an error
     that only some ranks can see (a token id read by one rank) is a plain ``ValueError``.
     """
+
+
+class RankDiedError(RuntimeError):
+    """A rank ended without a Python error of its own (killed by a signal, or a non-zero exit status), raised in
+    the process that launched it; the message names the rank, its pid and how it ended."""
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[str]) -> str:

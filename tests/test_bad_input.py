@@ -374,6 +374,82 @@ def test_bad_setups_fail_before_any_rank_starts(tmp_path, model_kw, data_kw, str
     assert list(tmp_path.iterdir()) == []  # and no log directory was created
 
 
+@pytest.mark.parametrize(
+    ("data", "data_kw", "match"),
+    [
+        (
+            [torch.arange(100), torch.arange(5000), torch.arange(30)],
+            {},
+            r"^the train data holds a sequence of 5000 tokens, more than the pool can hold \(4 ranks x 1024 tokens\)",
+        ),
+        ([torch.arange(100), torch.arange(600)], {"max_seq_len": 500}, r"^train sequence 1 has 600 tokens"),
+        ([torch.arange(100), "some text"], {}, r"^the train dataset's item 1: the item holds text"),
+    ],
+)
+def test_an_in_memory_dataset_is_checked_before_any_rank_starts(tmp_path, data, data_kw, match) -> None:
+    import lightning.pytorch as pl
+
+    strategy = HydraStrategy(ranks_per_node=4, max_tokens_per_rank=1024)
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, default_root_dir=tmp_path)
+    with pytest.raises(ConfigError, match=match) as raised:
+        trainer.fit(_tiny(), HydraDataModule(data, global_batch_tokens=1000, **data_kw))
+    assert "\n" not in str(raised.value)  # one line
+    assert strategy.launcher.procs == []  # found in the launching process: no rank was started
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_sizing_problem_is_reported_at_once_with_values_that_fit(tmp_path) -> None:
+    import re
+
+    import lightning.pytorch as pl
+
+    from lightning_hydra.planner import PlannerConfig
+    from lightning_hydra.strategy.sizing import check_sizing
+
+    # 2 stages of 4 ranks: each stage plans on a pool of 2; both the batch and the longest sequence are too large
+    strategy = HydraStrategy(ranks_per_node=4, max_tokens_per_rank=1024, pipeline_stages=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, default_root_dir=tmp_path)
+    data = HydraDataModule([torch.arange(100), torch.arange(3000)], global_batch_tokens=3000)
+    with pytest.raises(ConfigError) as raised:
+        trainer.fit(_tiny(), data)
+    said = str(raised.value)
+    assert said.startswith("each of the 2 pipeline stages plans the batch on its own pool of 2 ranks: ")
+    assert "global_batch_tokens=3000 exceeds what 1 microbatch of 2 ranks x 1024 tokens hold (2048)" in said
+    assert "the train data holds a sequence of 3000 tokens, more than the pool can hold (2 ranks x 1024" in said
+    assert strategy.launcher.procs == []
+    fits = {k: int(v) for k, v in re.findall(r"(max_tokens_per_rank|num_microbatches)=(\d+)", said.split("fit: ")[1])}
+    assert fits == {"max_tokens_per_rank": 1500}  # the sequence's zigzag shard at degree 2 (the batch fits then)
+    check_sizing(
+        PlannerConfig(max_tokens_per_rank=1500, ranks_per_node=4),
+        2,
+        2,
+        longest={"train": 3000},
+        global_batch_tokens=3000,
+    )  # fits
+    # only the batch too large: either value fits
+    config = PlannerConfig(max_tokens_per_rank=1024, num_microbatches=2, ranks_per_node=4)
+    with pytest.raises(ConfigError, match=r"Values that fit: max_tokens_per_rank=2500 or num_microbatches=5; or add"):
+        check_sizing(config, 2, 2, longest={"train": 100}, global_batch_tokens=10000)
+    for fit in (
+        {"max_tokens_per_rank": 2500, "num_microbatches": 2},
+        {"max_tokens_per_rank": 1024, "num_microbatches": 5},
+    ):
+        check_sizing(PlannerConfig(ranks_per_node=4, **fit), 2, 2, longest={"train": 100}, global_batch_tokens=10000)
+
+
+class _ReadOnDemand(torch.utils.data.Dataset):
+    """A dataset that is not held in memory as a list: its lengths are read at set-up."""
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.items[index]
+
+
 def test_a_run_failing_at_set_up_leaves_no_empty_run_directory(tmp_path) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -384,7 +460,8 @@ def test_a_run_failing_at_set_up_leaves_no_empty_run_directory(tmp_path) -> None
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=HydraStrategy(ranks_per_node=1), max_steps=1, logger=loggers
     )
-    data = HydraDataModule([torch.arange(50), torch.arange(600)], global_batch_tokens=100, max_seq_len=500)
+    data = _ReadOnDemand([torch.arange(50), torch.arange(600)])
+    data = HydraDataModule(data, global_batch_tokens=100, max_seq_len=500)
     with pytest.raises(ConfigError, match="train sequence 1 has 600 tokens, over max_seq_len=500"):
-        trainer.fit(_tiny(), data)  # a list has no lengths(): found at set-up, after the loggers made their folders
+        trainer.fit(_tiny(), data)  # no lengths(), not a list: found at set-up, after the loggers made their folders
     assert not list(tmp_path.rglob("version_*")), list(tmp_path.rglob("*"))

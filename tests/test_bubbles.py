@@ -1,10 +1,15 @@
-"""The projected 1F1B pipeline bubble against its closed form and a hand-worked irregular case."""
+"""The projected 1F1B pipeline bubble against its closed form and a hand-worked irregular case; its floor against
+the projected and the replayed (measured) bubble."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lightning_hydra.metrics import one_f_one_b_order, pipeline_bubble
+from lightning_hydra.metrics.bubbles import min_pipeline_bubble, pipeline_bubble_floor, stage_split
+from lightning_hydra.metrics.loads import measured_pipeline_bubble, step_metrics
+from tests.test_pipeline import _record
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4, 8])
@@ -38,3 +43,41 @@ def test_1f1b_order() -> None:
 def test_bad_input(times, stages) -> None:
     with pytest.raises(ValueError):
         pipeline_bubble(times, stages)
+
+
+def test_the_closed_form_is_no_floor_once_microbatches_differ() -> None:
+    # a long first microbatch and a shorter last one: the fill (its forward) and the drain (the last backward) are
+    # shorter than equal microbatches' would be, so the bubble is below (P - 1) / (M + P - 1)
+    times = [1.75, 1.17]
+    assert pipeline_bubble(times, 2) < min_pipeline_bubble(2, 2) - 0.01
+    assert pipeline_bubble(times, 2) >= pipeline_bubble_floor(*stage_split(times, 2), 2)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 2, 5])
+def test_the_floor_of_equal_microbatches_is_the_closed_form(stages: int, microbatches: int) -> None:
+    floor = pipeline_bubble_floor(*stage_split([3.0] * microbatches, stages), stages)
+    assert floor == pytest.approx(min_pipeline_bubble(microbatches, stages))
+
+
+def test_no_bubble_falls_below_its_floor() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        stages, pool, m = int(rng.integers(2, 5)), int(rng.integers(1, 3)), int(rng.integers(1, 6))
+        forward = rng.uniform(0.01, 2.0, size=(m, stages * pool))
+        forward[rng.uniform(size=forward.shape) < 0.2] = 0.0  # idle ranks
+        backward = forward * rng.uniform(1.0, 3.0)
+        floor = pipeline_bubble_floor(forward, backward, stages)
+        if np.isfinite(floor):  # unequal stages and microbatches, replayed in 1F1B order
+            assert measured_pipeline_bubble(_record(forward, backward, stages), replay=True) >= floor - 1e-12
+        times = rng.uniform(0.05, 2.0, size=m)  # the projection: each microbatch split evenly over the stages
+        assert pipeline_bubble(times, stages) >= pipeline_bubble_floor(*stage_split(times, stages), stages) - 1e-12
+
+
+def test_a_run_without_stages_reports_the_projection_beside_its_floor() -> None:
+    record = _record(np.array([[1.0], [0.5], [0.0]]), np.array([[2.0], [1.0], [0.0]]), 1)
+    metrics = step_metrics(record, pipeline_stages=4)
+    assert "plan/pipeline_stages" not in metrics  # a projection: the summary says so
+    assert metrics["bubble/pp"] == pytest.approx(pipeline_bubble([3.0, 1.5], 4))
+    assert metrics["bubble/pp_min"] == pytest.approx(pipeline_bubble_floor(*stage_split([3.0, 1.5], 4), 4))
+    assert metrics["bubble/pp"] >= metrics["bubble/pp_min"]

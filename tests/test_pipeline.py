@@ -4,6 +4,7 @@ the layers are dealt by FLOPs, the measured bubble comes from the stages' timeli
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -104,7 +105,9 @@ def test_pipeline_trains_like_one_process(tmp_path: Path, reference, stages: int
     assert first["stages"] == stages
     bubble = first["bubble"]
     assert set(bubble) >= {"bubble/pp", "bubble/pp_projected", "bubble/pp_min"}
-    assert 0 < bubble["bubble/pp"] < 1 and bubble["bubble/pp_min"] == pytest.approx((stages - 1) / (5 + stages))
+    assert 0 < bubble["bubble/pp_min"] <= bubble["bubble/pp"] < 1
+    for rows in ranks:  # every measured step at or above its floor
+        assert all(r["bubble"]["bubble/pp"] >= r["bubble"]["bubble/pp_min"] - 1e-12 for r in rows)
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
 
@@ -207,9 +210,9 @@ def test_a_rank_killed_mid_run_ends_every_rank_with_an_error(tmp_path: Path) -> 
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
     )
     # the run ended (no rank hung waiting for the dead one: the timeout above would raise) with an error: each
-    # surviving rank either raised from its broken link or was ended by the launcher once the dead rank was seen,
-    # whichever came first
+    # surviving rank either raised from its broken link or was ended by the launcher once the dead rank was seen
+    # (and named: lightning_hydra.strategy.exits), whichever came first
     assert done.returncode != 0
-    ended = "Forcefully terminating all other processes" in done.stderr
+    ended = re.search(r"stopped: rank 2 \(pid \d+\) exited with status 3 without a Python error", done.stderr)
     raised = all(f"[rank{rank}]: RuntimeError" in done.stderr for rank in (0, 1, 3))
     assert ended or raised, done.stderr[-3000:]

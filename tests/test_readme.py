@@ -45,15 +45,14 @@ def _env() -> dict[str, str]:
 
 def test_every_block_is_handled():
     assert {lang for lang, _ in BLOCKS} <= {"python", "yaml", "bash", ""}, [lang for lang, _ in BLOCKS]
-    assert len(_blocks("python")) == 2 and len(_blocks("yaml")) == 1 and len(_blocks("bash")) == 3
+    assert len(_blocks("python")) == 4 and len(_blocks("yaml")) == 1 and len(_blocks("bash")) == 3
 
 
-@pytest.mark.timeout(600)
-def test_the_api_example_trains_as_written(tmp_path):
-    (api,) = [b for b in _blocks("python") if "Trainer(" in b]
-    assert "from lightning.pytorch import Trainer" in api and "max_steps=" in api
+def _train(tmp_path, code: str) -> str:
+    """Run a README training example as a script with ``max_steps=2``; what it printed."""
+    assert "from lightning.pytorch import Trainer" in code and "max_steps=" in code
     script = tmp_path / "train.py"
-    script.write_text(_shrink(api, {"max_steps=20": "max_steps=2"}))
+    script.write_text(_shrink(code, {"max_steps=20": "max_steps=2"}))
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=560, cwd=tmp_path, env=_env()
     )
@@ -61,6 +60,29 @@ def test_the_api_example_trains_as_written(tmp_path):
     assert done.returncode == 0, printed[-3000:]
     assert "lightning-hydra: 2 steps" in printed
     assert_readable(printed)  # the API path prints no warning, no Epoch 0/-2, no v_num, no FLOPs either
+    return printed
+
+
+@pytest.mark.timeout(600)
+def test_the_api_example_trains_as_written(tmp_path):
+    (api,) = [b for b in _blocks("python") if "Trainer(" in b and "pipeline_stages" not in b]
+    assert "bubble/pp (projected for P=4; no pipeline stages in this run)" in _train(tmp_path, api)
+
+
+@pytest.mark.timeout(600)
+def test_the_pipeline_example_trains_as_written_and_its_measured_bubble_is_not_below_its_minimum(tmp_path):
+    (example,) = [b for b in _blocks("python") if "pipeline_stages=2" in b]
+    printed = _train(tmp_path, example)
+    found = re.search(r"bubble/pp \(P=2, measured\) ([\d.]+) \(minimum ([\d.]+) for these microbatch times\)", printed)
+    assert found, printed[-3000:]
+    assert float(found.group(1)) >= float(found.group(2)) > 0
+
+
+def test_the_rank_zero_example_prints_once():
+    (example,) = [b for b in _blocks("python") if "rank_zero_info(" in b]
+    done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.stdout + done.stderr).count("training the demo on 4 ranks") == 1
 
 
 def test_the_bring_your_own_example_builds(tmp_path):
@@ -143,8 +165,12 @@ def test_the_sample_output_matches_the_code():
     (sample,) = [b for lang, b in BLOCKS if lang == "" and "lightning-hydra: 20 steps" in b]
     monitor = BubbleMonitor()
     step = {"throughput/tokens_per_s": 1.0, "time/step_s": 1.0, "bubble/dp": 0.0, "bubble/pp": 0.6}
-    monitor.history = [{**step, "bubble/pp_min": 0.6, "balance/max_over_mean": 1.0}]
+    monitor.history = [{**step, "bubble/pp_min": 0.583, "balance/max_over_mean": 1.0}]
     line = monitor.summary()
-    assert "(minimum 0.600 with 2 microbatches)" in line and "(minimum 0.600 with 2 microbatches)" in sample
-    shape = r"lightning-hydra: \d+ steps, [\d,]+ tokens trained; median bubble/dp [\d.]+, bubble/pp \(P=4\) [\d.]+"
+    said = "(minimum 0.583 for these microbatch times)"
+    assert said in line and said in sample
+    shape = (
+        r"lightning-hydra: \d+ steps, [\d,]+ tokens trained; median bubble/dp [\d.]+, "
+        r"bubble/pp \(projected for P=4; no pipeline stages in this run\) [\d.]+"
+    )
     assert re.match(shape, line) and re.match(shape, sample)

@@ -8,7 +8,9 @@ same global batches), and prints JSON with, per policy, the median over steps of
   schedule's dependencies (on this host more ranks share the cores than it has, so wall time measures time
   slicing; see :func:`lightning_hydra.metrics.loads.pipeline_replay`);
 - ``bubble_pp_projected``: the projection from per-microbatch maximum times, as data-parallel runs report it;
-- ``bubble_pp_min``: ``(P - 1) / (M + P - 1)``, what equal microbatches would give;
+- ``bubble_pp_min``: the floor of the step's measured times
+  (:func:`~lightning_hydra.metrics.bubbles.pipeline_bubble_floor`; ``(P - 1) / (M + P - 1)`` when every microbatch
+  takes equally long on every stage);
 - ``projection_error``: ``|measured - projected|``.
 """
 

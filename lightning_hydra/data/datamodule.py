@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_hydra.data.batching import global_batches
 from lightning_hydra.data.corpus import PAD_ID, StdlibCorpus
 from lightning_hydra.data.packing import StepBatch, pack_groups, rank_sequences, trained_tokens
-from lightning_hydra.data.source import DatasetSource, checked_lengths, scan_lengths
+from lightning_hydra.data.source import DatasetSource, checked_lengths, in_memory_lengths, scan_lengths
 from lightning_hydra.errors import ConfigError, check_bool, check_int
 from lightning_hydra.planner import CostModel
 from lightning_hydra.planner.worker import PlanWorker, plan_step, read_plan
@@ -222,9 +222,9 @@ class HydraDataModule(pl.LightningDataModule):
         return train, val
 
     def lengths_before_setup(self) -> dict[str, np.ndarray]:
-        """Lengths of the splits that are known without reading items (given, or ``dataset.lengths()``), checked
-        and truncated as at set-up: what the pre-launch checks use. Splits whose lengths need a scan are left out
-        (they are checked at set-up, identically on every rank)."""
+        """Lengths of the splits that are known without reading items (given, ``dataset.lengths()``, or a dataset
+        held in memory: a list or tuple of sequences), checked and truncated as at set-up: what the pre-launch checks
+        use. Splits whose lengths need a scan are left out (they are checked at set-up, identically on every rank)."""
         train, val = self._datasets()
         out = {}
         for name, dataset, given in (("train", train, self.train_lengths), ("validation", val, self.val_lengths)):
@@ -233,6 +233,7 @@ class HydraDataModule(pl.LightningDataModule):
             if len(dataset) == 0:
                 raise ConfigError(f"the {name} dataset is empty")
             lengths = given if given is not None else (dataset.lengths() if hasattr(dataset, "lengths") else None)
+            lengths = in_memory_lengths(dataset, name) if lengths is None else lengths
             if lengths is not None:
                 out[name] = checked_lengths(lengths, len(dataset), name, self.max_seq_len, self.truncate)
         return out

@@ -17,7 +17,7 @@ import torch
 
 from lightning_hydra.errors import ConfigError
 
-__all__ = ["DatasetSource", "checked_lengths", "scan_lengths"]
+__all__ = ["DatasetSource", "checked_lengths", "in_memory_lengths", "scan_lengths"]
 
 
 def _token_ids(item: Any) -> Any:
@@ -61,6 +61,19 @@ def scan_lengths(dataset: Any, rank: int = 0, world_size: int = 1) -> dict[int, 
     """Lengths of the items ``rank, rank + world_size, ...`` of ``dataset``, each item read once (``ValueError``
     naming the first item that holds no token ids)."""
     return {i: _length_of(dataset, i) for i in range(rank, len(dataset), world_size)}
+
+
+def in_memory_lengths(dataset: Any, name: str) -> list[int] | None:
+    """Every item's length when the dataset is held in memory (a ``list`` or ``tuple`` of token-id sequences), where
+    reading them costs nothing: the launching process checks them before any rank starts. ``None`` for any other
+    dataset (its lengths are given, or scanned at set-up by the pool); an item that holds no token ids is a
+    :class:`~lightning_hydra.errors.ConfigError` naming it."""
+    if not isinstance(dataset, list | tuple):
+        return None
+    try:
+        return [_length_of(dataset, i) for i in range(len(dataset))]
+    except ValueError as exc:
+        raise ConfigError(f"the {name} dataset's {exc}") from None
 
 
 def _length_of(dataset: Any, index: int) -> int:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
         min_pipeline_bubble,
         one_f_one_b_order,
         pipeline_bubble,
+        pipeline_bubble_floor,
         pipeline_makespan,
     )
     from lightning_hydra.metrics.loads import balance, bubble_dp, degree_histogram, replay_step_time, step_metrics
@@ -31,6 +32,7 @@ __all__ = [
     "min_pipeline_bubble",
     "one_f_one_b_order",
     "pipeline_bubble",
+    "pipeline_bubble_floor",
     "pipeline_makespan",
     "replay_step_time",
     "step_metrics",
@@ -50,6 +52,7 @@ __getattr__, __dir__ = lazy_exports(
         "min_pipeline_bubble": "lightning_hydra.metrics.bubbles",
         "one_f_one_b_order": "lightning_hydra.metrics.bubbles",
         "pipeline_bubble": "lightning_hydra.metrics.bubbles",
+        "pipeline_bubble_floor": "lightning_hydra.metrics.bubbles",
         "pipeline_makespan": "lightning_hydra.metrics.bubbles",
         "replay_step_time": "lightning_hydra.metrics.loads",
         "step_metrics": "lightning_hydra.metrics.loads",

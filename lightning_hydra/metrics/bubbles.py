@@ -6,6 +6,12 @@ split into a forward and a backward ``backward_ratio`` times as long. Every stag
 an operation starts when its stage is free and its dependency is done (the forward on the previous stage, the
 backward on the next). The bubble is ``1 - useful / (stages * makespan)``; with equal microbatches it equals the
 closed form ``(P - 1) / (M + P - 1)``.
+
+That closed form is not a lower bound once microbatches differ (a long first forward and a short last backward
+give 2 stages of microbatches ``[1.75, 1.17]`` a bubble of 0.318, below 1/3), nor once stages differ (a measured
+step). :func:`pipeline_bubble_floor` is one: the idle time every schedule of these times has at the ends, where
+a rank waits for the first forward to reach its stage and, after its last backward, for that backward to return
+to the first stage. With equal microbatches on equal stages it is the closed form.
 """
 
 from __future__ import annotations
@@ -16,7 +22,14 @@ import numpy as np
 
 from lightning_hydra.errors import check_int, check_number
 
-__all__ = ["min_pipeline_bubble", "one_f_one_b_order", "pipeline_bubble", "pipeline_makespan"]
+__all__ = [
+    "min_pipeline_bubble",
+    "one_f_one_b_order",
+    "pipeline_bubble",
+    "pipeline_bubble_floor",
+    "pipeline_makespan",
+    "stage_split",
+]
 
 
 def _times(times: Iterable[float]) -> list[float]:
@@ -35,11 +48,51 @@ def _times(times: Iterable[float]) -> list[float]:
 
 
 def min_pipeline_bubble(microbatches: int, stages: int) -> float:
-    """The smallest 1F1B bubble of ``stages`` stages over ``microbatches`` microbatches: ``(P - 1) / (M + P - 1)``,
-    reached when every microbatch takes the same time (what a measured ``bubble/pp`` is compared with)."""
+    """The 1F1B bubble of ``stages`` equal stages over ``microbatches`` equal microbatches: ``(P - 1) / (M + P - 1)``
+    (the floor of such a run; with unequal microbatches or stages see :func:`pipeline_bubble_floor`)."""
     m = check_int("microbatches", microbatches)
     p = check_int("stages", stages)
     return (p - 1) / (m + p - 1)
+
+
+def stage_split(times: Iterable[float], stages: int, backward_ratio: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(forward, backward)``, each ``[M, stages]``: whole-model microbatch times split evenly over the stages, as
+    :func:`pipeline_bubble` runs them."""
+    per_stage = np.repeat(np.asarray(_times(times))[:, None] / stages, stages, axis=1)
+    return per_stage / (1 + backward_ratio), per_stage * backward_ratio / (1 + backward_ratio)
+
+
+def pipeline_bubble_floor(forward: np.ndarray, backward: np.ndarray, stages: int) -> float:
+    """A lower bound of the 1F1B bubble of a step with these forward and backward times, whatever their order.
+
+    Rank ``r`` (stage ``s``, pool position ``i``) starts its first working microbatch ``a`` no earlier than the
+    forwards of ``a`` at position ``i`` of every earlier stage take, works its own busy time, and the step ends no
+    earlier than the backwards of its last working microbatch ``z`` at those ranks take after it:
+    ``makespan >= sum_(s' < s) F[a, s'] + busy_r + sum_(s' < s) B[z, s']``. The bubble is then at least
+    ``1 - busy / (ranks * max_r bound_r)``; the measured (replayed) and the projected bubbles never fall below it,
+    and with equal microbatches on equal stages it is ``(P - 1) / (M + P - 1)``.
+
+    Args:
+        forward: ``[M, N]`` forward seconds of microbatch ``m`` on rank ``n`` (ranks stage-major: stage ``s`` is
+            ranks ``[s * N / stages, (s + 1) * N / stages)``; 0 where the rank is idle).
+        backward: ``[M, N]`` backward seconds.
+        stages: Pipeline stages ``P``.
+
+    Returns:
+        The floor in ``[0, 1)``, ``nan`` when no rank worked.
+    """
+    forward, backward = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
+    busy = forward + backward
+    ranks = busy.shape[1]
+    pool = ranks // check_int("stages", stages, high=ranks)
+    bound = 0.0
+    for r in range(ranks):
+        work = np.flatnonzero(busy[:, r] > 0)
+        if work.size:
+            earlier = np.arange(r % pool, r - r % pool, pool)  # position r % pool of every earlier stage
+            fill, drain = forward[work[0], earlier].sum(), backward[work[-1], earlier].sum()
+            bound = max(bound, float(fill + busy[:, r].sum() + drain))
+    return 1.0 - float(busy.sum()) / (ranks * bound) if bound > 0 else float("nan")
 
 
 def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightning_hydra.metrics.bubbles import one_f_one_b_order, pipeline_bubble
+from lightning_hydra.metrics.bubbles import one_f_one_b_order, pipeline_bubble, pipeline_bubble_floor, stage_split
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.planner.calibration import relative_error
 
@@ -145,7 +145,8 @@ def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool =
 
     Args:
         record: The gathered measurements.
-        pipeline_stages: Depth ``P`` of the projected pipeline bubble.
+        pipeline_stages: Depth ``P`` of the projected pipeline bubble (a run without pipeline stages; a pipelined
+            run measures its own).
         replay: Use :func:`replay_step_time` as the step time ``S`` of ``bubble/dp`` instead of the measured wall
             time (for hosts running more ranks than cores, where the wall clock measures time slicing).
     """
@@ -157,6 +158,9 @@ def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool =
         "balance/max_over_mean": balance(record.busy),
         "bubble/dp": bubble_dp(record.busy, step_time),
         "bubble/pp": pipeline_bubble(working, pipeline_stages) if working else float("nan"),
+        "bubble/pp_min": (
+            pipeline_bubble_floor(*stage_split(working, pipeline_stages), pipeline_stages) if working else float("nan")
+        ),
         "schedule/ms": record.schedule_ms,
         "cost_model/error": relative_error(record.predicted, record.busy),
         "cp/comm_ms": 1e3 * float(record.comm.sum(axis=0).mean()),
@@ -166,10 +170,10 @@ def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool =
         "plan/microbatches": float(record.num_microbatches),
     }
     if record.stages > 1:
-        stages, count = record.stages, record.num_microbatches
+        stages = record.stages
         out["bubble/pp"] = measured_pipeline_bubble(record, replay=replay)
         out["bubble/pp_projected"] = projected_pipeline_bubble(record)
-        out["bubble/pp_min"] = (stages - 1) / (count + stages - 1)
+        out["bubble/pp_min"] = pipeline_bubble_floor(record.forward, record.backward, stages)
         out["plan/pipeline_stages"] = float(stages)
     for d, count in degree_histogram(record).items():
         out[f"cp/degree_hist/{d}"] = float(count)

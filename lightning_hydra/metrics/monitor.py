@@ -15,7 +15,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_hydra.errors import check_bool, check_choice, check_int
-from lightning_hydra.metrics.bubbles import min_pipeline_bubble
 from lightning_hydra.metrics.loads import step_metrics
 from lightning_hydra.metrics.record import RECORDS_FILE, StepRecord
 from lightning_hydra.planner.calibration import FITTED
@@ -49,7 +48,8 @@ class BubbleMonitor(Callback):
         """Configure what is logged each step.
 
         Args:
-            pipeline_stages: Pipeline depth ``P`` of the projected ``bubble/pp``.
+            pipeline_stages: Pipeline depth ``P`` of the projected ``bubble/pp`` of a run without pipeline stages
+                (a pipelined run measures its own bubble at its own depth).
             step_time: Step time ``S`` of ``bubble/dp``: the measured wall time (``"wall"``), the replayed critical
                 path of the measured busy times (``"replay"``), or ``"auto"``: replay when the host runs more ranks
                 than it has cores (CPU runs), where wall time measures the operating system's time slicing.
@@ -159,9 +159,6 @@ class BubbleMonitor(Callback):
             return
         start = time.perf_counter()
         metrics = step_metrics(record, pipeline_stages=self.pipeline_stages, replay=self._replay(trainer))
-        working = int((record.busy.max(axis=1) > 0).sum())
-        if working and "bubble/pp_min" not in metrics:  # the projection's floor: every microbatch equally long
-            metrics["bubble/pp_min"] = min_pipeline_bubble(working, self.pipeline_stages)
         strategy = trainer.strategy
         measure = getattr(strategy, "measure_seconds", 0.0) + self.overhead_seconds
         metrics["monitor/overhead"] = measure / metrics["time/step_s"] if metrics["time/step_s"] > 0 else 0.0
@@ -200,8 +197,11 @@ class BubbleMonitor(Callback):
             rank_zero_info(f"lightning-hydra: dashboard written to {out}")
 
     def summary(self, trainer: pl.Trainer | None = None) -> str:
-        """One line: tokens trained, median bubbles (the pipeline bubble beside its floor for the run's microbatch
-        count) and balance, tokens per second over the run (as the progress bar shows), where the records are."""
+        """One line: tokens trained, median bubbles and balance, tokens per second over the run (as the progress bar
+        shows), where the records are. The pipeline bubble is measured in a pipelined run, else a projection at
+        ``pipeline_stages`` (said so); beside it its floor for the same steps' microbatch times (each step's
+        ``bubble/pp`` is at least its ``bubble/pp_min``, so the median of one is at least the median of the
+        other)."""
         if not self.history:
             return "lightning-hydra: no training step was measured"
 
@@ -216,14 +216,19 @@ class BubbleMonitor(Callback):
             else ""
         )
         resumed = f" (resumed at step {self._resume_step})" if self._resume_step else ""
-        floor = median("bubble/pp_min")
         staged = median("plan/pipeline_stages")  # a pipelined run measures its own depth
-        stages = int(staged) if np.isfinite(staged) else self.pipeline_stages
-        micro = round((stages - 1) / floor - (stages - 1)) if floor > 0 else None  # floor = (P-1)/(M+P-1)
-        floor_text = f" (minimum {floor:.3f} with {micro} microbatch{'es' * (micro > 1)})" if micro else ""
+        if np.isfinite(staged):
+            pp = f"bubble/pp (P={int(staged)}, measured)"
+        else:
+            pp = f"bubble/pp (projected for P={self.pipeline_stages}; no pipeline stages in this run)"
+        paired = [h for h in self.history if np.isfinite(h.get("bubble/pp", np.nan) + h.get("bubble/pp_min", np.nan))]
+        if paired:  # the same steps for both medians
+            bubble, floor = (float(np.median([h[k] for h in paired])) for k in ("bubble/pp", "bubble/pp_min"))
+            pp += f" {bubble:.3f} (minimum {floor:.3f} for these microbatch times)"
+        else:
+            pp += f" {median('bubble/pp'):.3f}"
         return (
             f"lightning-hydra: {len(self.history)} steps{resumed}, {tokens:,.0f} tokens trained; median "
-            f"bubble/dp {median('bubble/dp'):.3f}, bubble/pp (P={stages}) {median('bubble/pp'):.3f}"
-            f"{floor_text}, balance {median('balance/max_over_mean'):.3f}; {self.throughput():,.0f} tokens/s"
-            f"{where}"
+            f"bubble/dp {median('bubble/dp'):.3f}, {pp}, balance {median('balance/max_over_mean'):.3f}; "
+            f"{self.throughput():,.0f} tokens/s{where}"
         )

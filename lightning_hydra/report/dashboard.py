@@ -169,9 +169,9 @@ def render_report(paths: Sequence[str | Path], out_dir: str | Path, *, steps: Se
 <h1>lightning-hydra dashboard</h1>
 <p class="note">{len(runs)} run(s). Medians over each run's steps. <b>DP bubble</b>: share of rank-time spent
 waiting in a step; <b>PP bubble</b>: the 1F1B bubble a pipeline of the configured depth would have with these
-microbatch times, beside its <b>minimum</b> for the same number of microbatches (every microbatch equally long:
-(P-1)/(M+P-1)), which no plan can beat; <b>balance</b>: the busiest rank's busy time over the mean;
-<b>cost-model error</b>: relative error of the planner's predicted microbatch time.</p>
+microbatch times (measured, in a pipelined run), beside its <b>minimum</b> for these microbatch times (the idle
+time at the pipeline's ends; (P-1)/(M+P-1) when every microbatch is equally long); <b>balance</b>: the busiest
+rank's busy time over the mean; <b>cost-model error</b>: relative error of the planner's predicted microbatch time.</p>
 <table><tr>{head}</tr>{body}</table>
 {replay_note}
 <h2>Over training</h2><div class="grid">{"".join(_img(p) for p in series)}</div>

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_hydra.errors import ConfigError, check_bool
-from lightning_hydra.planner import CostModel, DegreeRules, PlannerConfig
+from lightning_hydra.planner import CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
+from lightning_hydra.strategy.sizing import check_sizing
 
 __all__ = ["all_gather_single", "check_arguments", "check_digests", "check_fits", "check_heads", "check_pool"]
 
@@ -97,8 +98,8 @@ def check_fits(
     global_batch_tokens: int,
 ) -> None:
     """Raise :class:`~lightning_hydra.errors.ConfigError` when a sequence of ``longest`` tokens cannot fit the pool at
-    any degree, or a global batch of ``global_batch_tokens`` cannot fit its microbatches (pure: callable before any
-    process starts).
+    any degree, or a global batch of ``global_batch_tokens`` cannot fit its microbatches, both in one message with
+    values that fit (pure: callable before any process starts; see :mod:`lightning_hydra.strategy.sizing`).
 
     Args:
         config: The planner settings.
@@ -108,23 +109,4 @@ def check_fits(
         split: Name of the data split (for the message).
         global_batch_tokens: Tokens per global batch.
     """
-    pool = world_size * config.max_tokens_per_rank * config.num_microbatches
-    if global_batch_tokens > pool:
-        raise ConfigError(
-            f"global_batch_tokens={global_batch_tokens} exceeds what {config.num_microbatches} "
-            f"microbatch{'es' if config.num_microbatches > 1 else ''} of {world_size} ranks x "
-            f"{config.max_tokens_per_rank} tokens hold ({pool}); raise num_microbatches or max_tokens_per_rank"
-        )
-    rules = DegreeRules(
-        world_size=world_size,
-        ranks_per_node=min(config.ranks_per_node, world_size),
-        num_heads=num_heads,
-        max_ulysses=config.max_ulysses,
-        max_ring=config.max_ring,
-    )
-    if rules.memory_min(longest, config.max_tokens_per_rank, fine=True) is None:
-        raise ConfigError(
-            f"the {split} data holds a sequence of {longest} tokens, more than the pool can hold ({world_size} ranks "
-            f"x {config.max_tokens_per_rank} tokens); raise max_tokens_per_rank, add ranks, or set "
-            "HydraDataModule(max_seq_len=..., truncate=True)"
-        )
+    check_sizing(config, world_size, num_heads, longest={split: longest}, global_batch_tokens=global_batch_tokens)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
@@ -37,16 +38,28 @@ from typing_extensions import override
 
 from lightning_hydra._environ import LaunchEnvironment
 from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
-from lightning_hydra.errors import ConfigError
-from lightning_hydra.strategy.checks import check_fits, check_heads, check_pool
+from lightning_hydra.errors import ConfigError, RankDiedError
+from lightning_hydra.strategy.checks import check_heads, check_pool
+from lightning_hydra.strategy.exits import RankWatch, exit_reason
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
+from lightning_hydra.strategy.sizing import check_sizing
 from lightning_hydra.strategy.tensor import check_tensor_parallel
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.strategy import HydraStrategy
 
-__all__ = ["EXIT_SETTLE_S", "CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "SpawnLauncher", "preflight"]
+__all__ = [
+    "DEATH_WAIT_S",
+    "EXIT_SETTLE_S",
+    "CheckedMultiProcessingLauncher",
+    "CheckedSubprocessLauncher",
+    "SpawnLauncher",
+    "preflight",
+]
+
+DEATH_WAIT_S = 3.0
+"""Seconds the launching process, failing, waits for a rank's exit status that would explain its failure."""
 
 EXIT_SETTLE_S = 0.05
 """Seconds a worker that returned normally waits, the GIL released, after destroying its process groups and before
@@ -88,14 +101,19 @@ def preflight(
     splits = {"fit": ("train", "validation"), "validate": ("validation",)}.get(str(getattr(stage, "value", stage)), ())
     if not splits:
         return
-    for split, lengths in datamodule.lengths_before_setup().items():
-        if split not in splits:
-            continue
-        longest = datamodule.check_longest(split, lengths)
-        if getattr(strategy, "auto_capacity", False):
-            continue  # max_tokens_per_rank="auto" is resolved from the memory model at set-up, checked there
-        check_fits(
-            config, pool, heads, longest=longest, split=split, global_batch_tokens=datamodule.global_batch_tokens
+    longest = {
+        split: datamodule.check_longest(split, lengths)
+        for split, lengths in datamodule.lengths_before_setup().items()
+        if split in splits
+    }
+    if longest and not getattr(strategy, "auto_capacity", False):  # "auto" is resolved at set-up, checked there
+        check_sizing(
+            config,
+            pool,
+            heads,
+            longest=longest,
+            global_batch_tokens=datamodule.global_batch_tokens,
+            stages=getattr(strategy, "pipeline_stages", 1),
         )
 
 
@@ -127,7 +145,9 @@ def _run_preflight(strategy: HydraStrategy, trainer: pl.Trainer | None, args: tu
 
 
 class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher (``start_method="popen"``), running :func:`preflight` before the ranks start."""
+    """Lightning's script launcher (``start_method="popen"``), running :func:`preflight` before the ranks start and
+    naming a rank that ended without a Python error (:class:`~lightning_hydra.strategy.exits.RankWatch`): a failure
+    of the launching process caused by it is raised as :class:`~lightning_hydra.errors.RankDiedError`."""
 
     def __init__(self, strategy: HydraStrategy, *args: Any) -> None:
         """Build the launcher.
@@ -142,7 +162,26 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         _run_preflight(self._strategy, trainer, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        # Lightning's launch, with a watch that names a rank that died (see lightning_hydra.strategy.exits)
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        watch = None
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            first = self.cluster_environment.node_rank() * self.num_processes + 1
+            watch = RankWatch(self.procs, first_rank=first, trainer=trainer)
+            watch.start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        try:
+            return function(*args, **kwargs)
+        except Exception as exc:
+            if watch is None:
+                raise
+            # a rank that went away shows here as a closed connection: wait a little for its exit status
+            line = watch.death(0.0 if isinstance(exc, ValueError | TypeError) else DEATH_WAIT_S, stop=True)
+            watch.stop(kill=line is not None)  # the others only noticed it; a rank with its own error says it
+            if line is None:
+                raise
+            raise RankDiedError(line) from exc
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -177,6 +216,10 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
             self._forkserver_state = (environ, _GlobalStateSnapshot.capture())
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
+        except torch.multiprocessing.ProcessExitedException as exc:  # a rank ended without a Python error
+            rank = self._strategy.node_rank * self._strategy.num_processes + exc.error_index
+            reason = exit_reason(exc.exit_code) or f"exited with status {exc.exit_code} without a Python error"
+            raise RankDiedError(f"rank {rank} (pid {exc.error_pid}) {reason}") from exc
         finally:
             self._forkserver_state = None
 
