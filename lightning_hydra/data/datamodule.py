@@ -325,9 +325,7 @@ class HydraDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ planning
     def _runtime(self) -> HydraRuntime:
         strategy = self.trainer.strategy if self.trainer is not None else None
-        from lightning_hydra.strategy import HydraStrategy
-
-        if isinstance(strategy, HydraStrategy):
+        if hasattr(strategy, "planner_config"):  # a HydraStrategy (its module imports this one's users: no import)
             if strategy.runtime is None:
                 raise RuntimeError("HydraStrategy has not set up its process group yet")
             return strategy.runtime
@@ -338,7 +336,7 @@ class HydraDataModule(pl.LightningDataModule):
         runtime = getattr(module, "runtime", None)
         if callable(runtime):
             return runtime()
-        from lightning_hydra.strategy import LocalRuntime
+        from lightning_hydra.strategy.runtime import LocalRuntime
 
         return LocalRuntime(module)
 

@@ -47,7 +47,8 @@ from lightning_hydra.strategy.sizing import check_sizing
 from lightning_hydra.strategy.tensor import check_tensor_parallel
 
 if TYPE_CHECKING:
-    from lightning_hydra.strategy.strategy import HydraStrategy
+    from lightning.pytorch.strategies import ParallelStrategy as HydraStrategy  # the HydraStrategy that launches
+    # (named by its base class: its module imports this one)
 
 __all__ = [
     "DEATH_WAIT_S",
