@@ -170,7 +170,8 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
         sync.begin()
     context = module._context()
     timer = OpTimer(device)
-    comm = [0.0] * count
+    clock = runtime.comm_clock
+    clock.discard()
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     backwards = [m for kind, m in order if kind == "B"]
@@ -186,12 +187,11 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
             hidden = prev.recv(shape) if prev is not None else None
             if hidden is not None and train:
                 hidden.requires_grad_(True)
-            before = group.clock.seconds
+            clock.tag(m)
             timer.begin(("F", m))
             with context.use(group, mb.cu_seqlens), torch.set_grad_enabled(train):
                 out = module.stage_forward(mb, hidden)
             timer.end(("F", m))
-            comm[m] += group.clock.seconds - before
             if last:
                 loss_sum += out.detach().double()
                 out = out / batch.trained_tokens
@@ -204,12 +204,11 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
             grad = nxt.recv(shape) if nxt is not None else None
             if sync is not None and m == backwards[-1]:
                 sync.arm()
-            before = group.clock.seconds
+            clock.tag(m)
             timer.begin(("B", m))
             if out.requires_grad:
                 torch.autograd.backward(out, grad.to(out.dtype) if grad is not None else None)
             timer.end(("B", m))
-            comm[m] += group.clock.seconds - before
             if prev is not None:
                 assert hidden is not None
                 prev.send(hidden.grad if hidden.grad is not None else torch.zeros_like(hidden))
@@ -220,7 +219,9 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
         sync.finish()
     else:
         runtime.end_forward_only()
-    ops = timer.read()
+    ops = timer.read()  # after the step's last synchronisation: then the clock, once
+    spent = clock.read()
+    comm = [spent.get(m, 0.0) for m in range(count)]
     timeline = StageTimeline([0.0] * count, [0.0] * count, [[-1.0] * 4 for _ in range(count)])
     for (kind, m), (busy, begin, end) in ops.items():
         if kind == "F":
