@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.cp.groups import CommClock, CudaEventSource
-from lightning_hydra.testing import quiet_trainer
+from lightning_hydra.strategy.checkpoint import full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint
+from lightning_hydra.testing import quiet_trainer, run_world
 
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
 OBJECT_COLLECTIVES = (
@@ -218,3 +220,53 @@ def test_a_step_takes_the_clocks_figures_and_runs_no_object_collective(tmp_path:
             if not out["oversubscribed"]:
                 assert rows == pytest.approx(step["table"])  # the calibration fits the same figures
         assert any(d > 1 for step in out["steps"] for d in step["degree"])  # CP collectives ran
+
+
+class _Stage(nn.Module):
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        torch.manual_seed(stage)
+        setattr(self, f"layer{stage}", nn.Linear(3, 2 + stage))
+
+
+def _save_and_gather(rank: int, world: int, tmp: str) -> dict:
+    log: list[tuple[str, bool]] = []
+    count_object_collectives(log, [True])
+    model = _Stage(rank)  # one stage per rank: every rank holds different tensors
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {
+        "state_dict": get_model_state_dict(model),
+        "optimizer_states": [get_optimizer_state_dict(model, optimizer)],
+        "global_step": 7,
+    }
+    save_sharded_checkpoint(state, tmp, global_rank=rank)
+    on_save = list(log)
+    dist.barrier()  # rank 0 writes the metadata file last (Lightning waits the same way before a resume)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    meta = load_sharded_checkpoint(tmp, model, [optimizer])
+    restored = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    full = full_state_dict(model, sharded=False, staged=True, pool_first=True, stage_roots=tuple(range(world)))
+    return {
+        "log": log,
+        "on_save": on_save,
+        "restored": restored,
+        "step": meta["global_step"],
+        "full": {k: v.tolist() for k, v in full.items()},
+        "mine": {k: v.tolist() for k, v in saved.items()},
+    }
+
+
+def test_checkpoints_and_full_weights_gather_no_tensor_as_an_object(tmp_path: Path) -> None:
+    results = run_world(3, _save_and_gather, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["restored"] and r["step"] == 7
+        assert not any(tensor for _, tensor in r["log"])  # no object collective carried a tensor
+    assert not any(name == "all_gather_object" for r in results for name, _ in r["on_save"])  # DCP's plans only
+    expected = {k: v for r in results for k, v in r["mine"].items()}
+    assert results[0]["full"] == expected  # rank 0 holds every stage's weights
+    assert results[1]["full"] == {} and results[2]["full"] == {}  # the others hold nothing more than their own
