@@ -105,7 +105,7 @@ class GradientReducer:
             size = len(self.params) + 1
             row = torch.full((size,), -1, dtype=torch.int64, device=self.params[0].device)
             row[0] = len(mine)
-            row[1 : 1 + len(mine)] = torch.tensor(mine, dtype=torch.int64)
+            row[1 : 1 + len(mine)] = torch.tensor(mine, dtype=torch.int64, device=row.device)
             table = torch.empty((dist.get_world_size(self.group) * size,), dtype=torch.int64, device=row.device)
             all_gather_single(table, row, group=self.group)
             rows = table.view(-1, size).tolist()  # once per run: the only read back to the host
