@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,17 @@ def test_one_rank_world_checks_run_the_strategys_step_on_cpu() -> None:
     assert [r["check"] for r in rows] == ["world_step", "comm_clock", "world_zero2_checkpoint"]
     assert all(r["ok"] for r in rows), rows
     assert rows[0]["backend"] == "gloo" and rows[0]["clock"] == "HostClockSource" and rows[2]["sharded"]
+
+
+MULTI = SCRIPT.parent / "multi_gpu_check.py"
+
+
+def test_multi_gpu_dry_run_lists_its_checks() -> None:
+    done = subprocess.run([sys.executable, str(MULTI), "--dry-run"], capture_output=True, text=True, timeout=300)
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert done.returncode == 0 and [line["check"] for line in lines[:-1]] == [
+        "ring",
+        "all_to_all",
+        "pipeline",
+        "zero2",
+    ]
