@@ -17,7 +17,16 @@ Three checks:
    backward with the final output and log-sum-exp (the code the ring runs, minus the transfers); short sequences
    take the kernel's gathered path when it has one. Outputs and gradients are compared with a per-document
    float32 reference, causal and not, with and without GQA.
-3. ``summary``: one JSON object on the last line; the exit status is non-zero if any check failed.
+3. ``world_step``, ``world_zero2_checkpoint``, ``comm_clock`` (``--world``, the default on CUDA): a one-rank
+   process group (NCCL on CUDA, gloo on CPU: ``init_process_group(world_size=1)`` by the strategy) through
+   :class:`~lightning_hydra.HydraStrategy`'s real step: CP groups of one, the device-timed communication clock
+   (CUDA events on GPU) feeding the step's rows, FSDP2 ``fully_shard`` on a one-rank mesh (``zero2``), a sharded
+   checkpoint saved and resumed, and one all-reduce timed by the clock.
+4. ``summary``: one JSON object on the last line; the exit status is non-zero if any check failed.
+
+``--dry-run`` prints the line of every check it would run (``"dry_run": true``) and the summary, running none.
+**Not run on a GPU yet** (none was available to this project): on CPU the test suite runs every check (the world
+checks over gloo); the CUDA paths wait for a device. Multi-GPU checks: ``scripts/multi_gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ import json
 import sys
 import time
 
+import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_hydra.cp.blocks import Accumulator
-from lightning_hydra.cp.groups import CPGroup
+from lightning_hydra.cp.groups import CommClock, CPGroup
 from lightning_hydra.cp.kernels import AttentionKernel, select_kernel
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_shard, zigzag_source_index
 from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout
@@ -267,6 +278,104 @@ def train_check(
     }
 
 
+WORLD_LENGTHS = [200, 7, 33, 90, 12, 140, 40, 61]
+"""The world checks' dataset (token counts of its documents)."""
+
+
+class ClockProbe(pl.Callback):
+    """At the end of training: one all-reduce on the world timed by a fresh device clock, the clock kind of the
+    strategy's runtime and whether the last step's rows hold finite communication times."""
+
+    def __init__(self) -> None:
+        self.result: dict = {}
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Record the facts (every rank: the all-reduce is a collective)."""
+        strategy = trainer.strategy
+        clock = CommClock.for_device(strategy.root_device)
+        probe = torch.ones(1024, dtype=torch.float32, device=strategy.root_device)
+        with clock.measure():
+            dist.all_reduce(probe)
+        seconds = list(clock.read().values())
+        record = strategy.last_record
+        self.result = {
+            "backend": dist.get_backend(),
+            "world_size": dist.get_world_size(),
+            "clock": type(strategy.runtime.comm_clock.source).__name__,
+            "all_reduce_seconds": seconds[0] if seconds else None,
+            "step_comm_finite": bool(record is not None and (record.comm >= 0).all()),
+            "sum_ok": float(probe[0]) == dist.get_world_size(),
+        }
+
+
+def world_checks(device: torch.device, kernel: str, quick: bool) -> list[dict]:
+    """A one-rank process group through the strategy's real step: replicas, then zero2 with a sharded checkpoint
+    saved and resumed (see the module docstring)."""
+    import tempfile
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
+    from lightning_hydra.strategy.checkpoint import is_sharded_checkpoint
+    from lightning_hydra.testing import quiet_trainer
+
+    cuda = device.type == "cuda"
+    hw = {"accelerator": "gpu", "precision": "bf16-true"} if cuda else {}
+    devices = [device.index or 0] if cuda else 1
+    shape = {"vocab_size": 258, "hidden_size": 32 if quick else 256, "num_layers": 2, "num_heads": 8}
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 250, (n,), generator=g) for n in WORLD_LENGTHS]
+    rows = []
+
+    def fit(sharding: str, steps: int, callbacks: list, ckpt: str | None = None):
+        torch.manual_seed(0)
+        model = DecoderLM(num_kv_heads=2, **shape)
+        strategy = HydraStrategy(sharding=sharding, kernel=kernel, max_tokens_per_rank=256, num_microbatches=2)
+        saving = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+        trainer = quiet_trainer(
+            devices, strategy, callbacks=callbacks, max_steps=steps, enable_checkpointing=saving, **hw
+        )
+        trainer.fit(model, HydraDataModule(data, global_batch_tokens=300, seed=0), ckpt_path=ckpt)
+        return trainer
+
+    probe = ClockProbe()
+    try:
+        trainer = fit("none", 2, [probe])
+        facts = probe.result
+        want = "CudaEventSource" if cuda else "HostClockSource"
+        ok = facts["world_size"] == 1 and facts["clock"] == want and facts["step_comm_finite"] and facts["sum_ok"]
+        rows.append(
+            {"check": "world_step", "steps": trainer.global_step} | facts | {"ok": ok and trainer.global_step == 2}
+        )
+        seconds = facts["all_reduce_seconds"]
+        rows.append({"check": "comm_clock", "seconds": seconds, "ok": seconds is not None and seconds >= 0})
+    except Exception as error:  # one line per failed check, then the others
+        rows.append({"check": "world_step", "ok": False, "error": repr(error)})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            saves = ModelCheckpoint(dirpath=tmp, every_n_train_steps=2, save_top_k=-1, filename="s")
+            fit("zero2", 2, [saves])
+            path = str(Path(tmp, "s.ckpt"))
+            sharded = is_sharded_checkpoint(path)
+            resumed = fit("zero2", 3, [], ckpt=path)
+        ok = sharded and resumed.global_step == 3
+        rows.append({"check": "world_zero2_checkpoint", "sharded": sharded, "resumed_at": 2, "ok": ok})
+    except Exception as error:
+        rows.append({"check": "world_zero2_checkpoint", "ok": False, "error": repr(error)})
+    return rows
+
+
+def planned_checks(world: bool) -> list[dict]:
+    """Every check a run would make, in order (what ``--dry-run`` prints)."""
+    rows = [{"check": "train_step"}]
+    for ring, causal, (heads, kv_heads) in itertools.product((1, 2, 4), (True, False), ((8, 8), (8, 2))):
+        rows.append({"check": "ring", "ring": ring, "causal": causal, "heads": heads, "kv_heads": kv_heads})
+    if world:
+        rows += [{"check": "world_step"}, {"check": "comm_clock"}, {"check": "world_zero2_checkpoint"}]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the checks; print one JSON line per check and a summary; exit 1 if any failed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -274,8 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
     parser.add_argument("--quick", action="store_true", help="small bins and model (the CPU test)")
+    parser.add_argument("--world", action=argparse.BooleanOptionalAction, default=None, help="the one-rank checks")
+    parser.add_argument("--dry-run", action="store_true", help="list every check, run none")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    world = device.type == "cuda" if args.world is None else args.world
+    if args.dry_run:
+        planned = planned_checks(world)
+        for row in planned:
+            print(json.dumps(row | {"dry_run": True, "device": str(device)}), flush=True)
+        print(json.dumps({"summary": True, "dry_run": True, "checks": len(planned), "ok": True}), flush=True)
+        return 0
     if device.type == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"ok": False, "error": "CUDA is not available; run with --device cpu"}))
         return 1
@@ -287,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     rings = ring_checks(device, kernel, dtype, **quick)
     for row in rings:
         print(json.dumps({"check": "ring"} | row), flush=True)
+    worlds = world_checks(device, args.kernel, args.quick) if world else []
+    for row in worlds:
+        print(json.dumps(row), flush=True)
     summary = {
         "summary": True,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -297,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_bytes_per_token": train["peak_bytes_per_token"],
         "ring_ok": all(r["ok"] for r in rings),
         "worst_ring_error": max(max(r["errors"].values()) for r in rings),
-        "ok": train["ok"] and all(r["ok"] for r in rings),
+        "world_ok": all(r["ok"] for r in worlds) if world else None,
+        "ok": train["ok"] and all(r["ok"] for r in rings + worlds),
     }
     print(json.dumps(summary), flush=True)
     return 0 if summary["ok"] else 1

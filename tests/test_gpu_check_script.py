@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,38 @@ def test_script_runs_on_cpu_and_reports_one_summary(dtype: str, capsys: pytest.C
     train = next(line for line in lines if line.get("check") == "train_step")
     assert train["ok"], train
     assert status == 0 and summary["ok"], lines
+
+
+def test_dry_run_lists_every_check_and_runs_none(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    gpu_check = _load()
+    monkeypatch.setattr(gpu_check, "train_check", lambda *a, **k: pytest.fail("a dry run ran a check"))
+    assert gpu_check.main(["--dry-run"]) == 0  # the default device (CUDA) on a machine without one
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    names = [line["check"] for line in lines[:-1]]
+    assert all(line["dry_run"] for line in lines)
+    assert names.count("ring") == 12 and names[0] == "train_step"
+    assert names[-3:] == ["world_step", "comm_clock", "world_zero2_checkpoint"]
+    assert lines[-1]["summary"] and lines[-1]["checks"] == len(names) == len(gpu_check.planned_checks(True))
+
+
+def test_one_rank_world_checks_run_the_strategys_step_on_cpu() -> None:
+    """The checks a GPU runs over a one-rank NCCL group, here over gloo: the real step, the clock, zero2 and a
+    sharded checkpoint resumed."""
+    rows = _load().world_checks(torch.device("cpu"), "cpu", quick=True)
+    assert [r["check"] for r in rows] == ["world_step", "comm_clock", "world_zero2_checkpoint"]
+    assert all(r["ok"] for r in rows), rows
+    assert rows[0]["backend"] == "gloo" and rows[0]["clock"] == "HostClockSource" and rows[2]["sharded"]
+
+
+MULTI = SCRIPT.parent / "multi_gpu_check.py"
+
+
+def test_multi_gpu_dry_run_lists_its_checks() -> None:
+    done = subprocess.run([sys.executable, str(MULTI), "--dry-run"], capture_output=True, text=True, timeout=300)
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert done.returncode == 0 and [line["check"] for line in lines[:-1]] == [
+        "ring",
+        "all_to_all",
+        "pipeline",
+        "zero2",
+    ]

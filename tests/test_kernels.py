@@ -96,12 +96,15 @@ def test_torch_kernel_arguments_layouts_and_gqa(padded_lse: bool, native_gqa: bo
     assert {name for name, _ in ops.calls} == {"forward", "backward"}
 
 
-def test_torch_kernel_gqa_follows_the_torch_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    ops = FakeAtenOps()
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu126")
-    assert not TorchFlashKernel(ops.forward, ops.backward).native_gqa
-    monkeypatch.setattr(torch, "__version__", "2.12.1")
-    assert TorchFlashKernel(ops.forward, ops.backward).native_gqa
+@pytest.mark.parametrize("takes_gqa", [True, False])
+def test_torch_kernel_probes_native_gqa_whatever_the_version(monkeypatch: pytest.MonkeyPatch, takes_gqa: bool) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu126" if takes_gqa else "2.13.0")  # the version decides nothing
+    ops = FakeAtenOps(gqa=takes_gqa)
+    kernel = TorchFlashKernel(ops.forward, ops.backward)
+    assert kernel.native_gqa is None  # probed on first use, on the inputs' device
+    _check_ring(kernel, AWKWARD, 2, True)
+    assert kernel.native_gqa is takes_gqa
+    assert {info["heads"] for _, info in ops.calls[1:]} == ({(8, 2)} if takes_gqa else {(8, 8)})
 
 
 @pytest.mark.parametrize("version", ["2.5", "2.6", "2.7"])
@@ -140,8 +143,19 @@ def test_aten_schema_check() -> None:
     )
     check_aten_schemas(forward, older)
     changed = torch._C.parse_schema("aten::f(Tensor query, Tensor key, Tensor value, *, float? scale=None) -> Tensor")
-    with pytest.raises(RuntimeError, match="unexpected signature"):
+    with pytest.raises(RuntimeError, match="unsupported signature"):
         check_aten_schemas(changed, older)
+    text = str(forward)
+    for before, after in (
+        ("SymInt max_q", "Tensor max_q"),  # the same names and count, another type
+        ("bool is_causal", "int is_causal"),
+        ("float? scale=None", "bool? scale=None"),
+        ("*, float? scale=None", "*, float? scale=None, Tensor sink"),  # a new required keyword
+        ("-> (Tensor output, Tensor softmax_logsumexp", "-> (Tensor output, int softmax_logsumexp"),
+    ):
+        assert before in text
+        with pytest.raises(RuntimeError, match="unsupported signature"):
+            check_aten_schemas(torch._C.parse_schema(text.replace(before, after)), older)
 
 
 def test_float64_is_refused_before_any_work() -> None:

@@ -17,7 +17,7 @@ from lightning_hydra.metrics.loads import pipeline_replay, projected_pipeline_bu
 from lightning_hydra.metrics.record import StepRecord, rank_row
 from lightning_hydra.models.stages import stage_layers
 from lightning_hydra.planner.calibration import NUM_FEATURES
-from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.pipeline import PipelineLayout, link_exchanges, p2p_schedule, stage_order
 from lightning_hydra.testing import quiet_trainer
 
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
@@ -46,6 +46,16 @@ class Log(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.rows: list[dict] = []
+        self.trace: list[list[tuple[str, int, list[int]]]] = []
+
+    def setup(self, trainer, module, stage) -> None:
+        post = torch.distributed.batch_isend_irecv
+
+        def recorded(ops):  # every batched P2P call this rank makes, as posted: (op, peer, shape)
+            self.trace.append([(op.op.__name__, op.peer, list(op.tensor.shape)) for op in ops])
+            return post(ops)
+
+        torch.distributed.batch_isend_irecv = recorded
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         record = module.last_record
@@ -64,6 +74,18 @@ class Log(pl.Callback):
     def on_train_end(self, trainer, module) -> None:
         rows = [{**r, "bubble": {k: float(v) for k, v in r["bubble"].items()}} for r in self.rows]
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(rows))
+        Path(f"{self.out}.trace{trainer.global_rank}").write_text(json.dumps(self.trace))
+
+
+def link_trace(trace: list, peer: int) -> list[list[tuple[str, list[int]]]]:
+    """The batched P2P calls of one rank's trace that involve ``peer``, as ``(direction, shape)`` sorted lists with
+    the direction seen from the rank that sends (``isend`` on one end is ``irecv`` on the other)."""
+    out = []
+    for batch in trace:
+        ops = sorted((name, shape) for name, p, shape in batch if p == peer)
+        if ops:
+            out.append(ops)
+    return out
 
 
 def _fit(tmp: Path, name: str, model: DecoderLM, devices: int, strategy=None) -> list[list[dict]]:
@@ -110,6 +132,16 @@ def test_pipeline_trains_like_one_process(tmp_path: Path, reference, stages: int
         assert all(r["bubble"]["bubble/pp"] >= r["bubble"]["bubble/pp_min"] - 1e-12 for r in rows)
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
+    # every link's P2P operations, recorded as posted: the same batches in the same order on both ends
+    traces = [json.loads(Path(f"{tmp_path}/pp{stages}.trace{r}").read_text()) for r in range(4)]
+    pool = 4 // stages
+    flip = {"isend": "irecv", "irecv": "isend"}
+    for upper in range(4 - pool):
+        lower = upper + pool
+        down = link_trace(traces[upper], lower)
+        up = [sorted((flip[name], shape) for name, shape in ops) for ops in link_trace(traces[lower], upper)]
+        assert down == up and len(down) >= 3 * first["microbatches"] // 2
+        assert any(len(ops) == 2 for ops in down)  # the steady phase pairs a send with a receive
 
 
 def test_layers_are_dealt_by_flops() -> None:
@@ -216,3 +248,37 @@ def test_a_rank_killed_mid_run_ends_every_rank_with_an_error(tmp_path: Path) -> 
     ended = re.search(r"stopped: rank 2 \(pid \d+\) exited with status 3 without a Python error", done.stderr)
     raised = all(f"[rank{rank}]: RuntimeError" in done.stderr for rank in (0, 1, 3))
     assert ended or raised, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_both_ends_of_every_link_post_the_same_exchanges_in_the_same_order(train: bool) -> None:
+    rng = np.random.default_rng(4)
+    paired = 0
+    for stages in range(2, 9):
+        for count in range(1, 13):
+            for trial in range(6):
+                active = [m for m in range(count) if trial == 0 or rng.random() < 0.7]  # idle positions skipped
+                schedules = [p2p_schedule(s, stages, active, train=train) for s in range(stages)]
+                for s in range(stages - 1):
+                    down = link_exchanges(schedules[s], 1)
+                    assert down == link_exchanges(schedules[s + 1], -1), (stages, count, active, s)
+                    moved = sorted(t for x in down for t in x)
+                    expected = [("down", "act", m) for m in active] + [("up", "grad", m) for m in active] * train
+                    assert moved == sorted(expected)  # every tensor crosses the link once
+                    paired += sum(len(x) == 2 for x in down)
+                for s, schedule in enumerate(schedules):  # a receive is posted before the operation that reads it
+                    posted: set[tuple[str, int]] = set()
+                    for (kind, m), (before, after) in zip(
+                        stage_order(s, stages, active, train=train), schedule, strict=True
+                    ):
+                        posted |= {(t.kind, t.microbatch) for t in before if not t.send}
+                        need = (
+                            ("act", m)
+                            if kind == "F" and s > 0
+                            else ("grad", m)
+                            if kind == "B" and s < stages - 1
+                            else None
+                        )
+                        assert need is None or need in posted
+                        posted |= {(t.kind, t.microbatch) for t in after if not t.send}
+    assert paired > 0 if train else paired == 0

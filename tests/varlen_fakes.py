@@ -109,6 +109,12 @@ class FakeAtenOps:
                  is_causal, rng_state, unused, *, scale=None):  # fmt: skip
         _check(query, key, cum_seq_q, cum_seq_k, max_q, max_k)
         assert self.gqa or key.shape[1] == query.shape[1]
+        if self.padded_lse:  # the layout this op's forward returned: [batch, heads, max_q]
+            assert logsumexp.shape == (cum_seq_q.numel() - 1, query.shape[1], max_q), logsumexp.shape
+            assert logsumexp.is_contiguous()
+            logsumexp = torch.cat(
+                [logsumexp[i, :, : b - a] for i, (a, b) in enumerate(itertools.pairwise(cum_seq_q.tolist()))], 1
+            )
         assert logsumexp.shape == (query.shape[1], query.shape[0]) and logsumexp.dtype == torch.float32
         assert logsumexp.is_contiguous() and rng_state.device == query.device and unused.device == query.device
         self.calls.append(("backward", {"heads": (query.shape[1], key.shape[1]), "causal": is_causal}))

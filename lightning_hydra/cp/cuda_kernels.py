@@ -2,8 +2,9 @@
 
 - ``torch``: PyTorch's own packed flash attention, ``torch.ops.aten._flash_attention_forward`` and
   ``_flash_attention_backward`` (the ops beneath ``torch.nn.attention.varlen.varlen_attn``). Needs nothing but a
-  CUDA build of torch. The ops' signatures are checked when the kernel is built; grouped-query attention is passed
-  natively from torch 2.12 on (where ``varlen_attn`` documents it) and by replicating KV heads before.
+  CUDA build of torch. The ops' schemas (argument and return types, not only names and counts) are checked when
+  the kernel is built; grouped-query attention is passed natively where a tiny probe call shows the op takes it
+  (:func:`probe_native_gqa`), by replicating KV heads elsewhere.
 - ``flash``: the ``flash_attn`` package (optional extra). The forward uses its public ``flash_attn_varlen_func``;
   the backward with a given output and log-sum-exp exists only as the private ``_flash_attn_varlen_backward``,
   whose signature changed across releases (2.5: ``window_size``; 2.6: ``+ softcap``; 2.7/2.8:
@@ -14,13 +15,15 @@
 log-sum-exp layout handling and version dispatch are tested on CPU with stand-in functions of each signature.
 
 Both return the log-sum-exp as ``[heads, tokens]`` float32; a padded ``[batch, heads, max_len]`` layout (older
-flash-attn, ROCm) is converted. No kernel is ever called with an empty key set (the plan drops such segments):
+flash-attn, ROCm) is converted for the merge, and converted back for the backward, which reads the layout its own
+forward wrote. No kernel is ever called with an empty key set (the plan drops such segments):
 flash kernels return ``lse = +inf`` there, which would break the merge.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +34,16 @@ import torch
 from lightning_hydra.cp.blocks import Accumulator, Segments, merge_rows, to_device, write_rows
 from lightning_hydra.cp.layout import ragged_arange
 
-__all__ = ["FlashAttnKernel", "TorchFlashKernel", "VarlenStep", "check_aten_schemas", "torch_version"]
+__all__ = [
+    "FlashAttnKernel",
+    "TorchFlashKernel",
+    "VarlenStep",
+    "check_aten_schemas",
+    "probe_native_gqa",
+    "torch_version",
+]
+
+log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -65,6 +77,9 @@ class VarlenStep:
     """Host query segment lengths (to unpad a padded log-sum-exp)."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """Lazily built device tensors (unpad index, rng state)."""
+    lse_shape: tuple[int, ...] | None = None
+    """The padded ``[batch, heads, max_q]`` log-sum-exp layout this step's forward returned (``None``: packed
+    ``[heads, tokens]``): the backward hands the kernel the layout its own forward returned."""
 
     def unpad_index(self, device: torch.device) -> torch.Tensor:
         """Index of every packed query in a ``[batch * max_q]`` padded layout."""
@@ -101,6 +116,17 @@ def _packed_lse(lse: torch.Tensor, step: VarlenStep) -> torch.Tensor:
     return lse.float()
 
 
+def _kernel_lse(lse: torch.Tensor, step: VarlenStep) -> torch.Tensor:
+    """The packed ``[heads, tokens]`` float32 ``lse`` in the layout the step's forward returned (padded rows,
+    which no kernel reads, hold 0)."""
+    if step.lse_shape is None:
+        return lse
+    batch, heads, max_q = step.lse_shape
+    padded = torch.zeros((heads, batch * max_q), dtype=lse.dtype, device=lse.device)
+    padded.index_copy_(1, step.unpad_index(lse.device), lse)
+    return padded.view(heads, batch, max_q).transpose(0, 1).contiguous()
+
+
 class _VarlenKernel:
     """Shared row selection, merge and gradient scatter of the variable-length kernels."""
 
@@ -129,6 +155,7 @@ class _VarlenKernel:
         """One kernel call for the whole step; the first covering step writes ``acc``, later ones merge."""
         qs = self._select(q, step.q_rows)
         o, lse = self._forward(qs, self._select(k, step.k_rows), self._select(v, step.k_rows), step, scale)
+        step.lse_shape = tuple(lse.shape) if lse.dim() == 3 else None
         lse_t = _packed_lse(lse, step).t()  # [tokens, heads]
         out3, lse2 = acc.out3(), acc.lse2()
         if first:
@@ -142,7 +169,7 @@ class _VarlenKernel:
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         t = q.shape[0]
         lse2 = lse[: t * heads].view(t, heads)
-        lse_s = self._select(lse2, step.q_rows).t().contiguous()  # [heads, tokens]
+        lse_s = _kernel_lse(self._select(lse2, step.q_rows).t().contiguous(), step)  # as the forward returned it
         gq, gk, gv = self._backward(
             self._select(dout, step.q_rows),
             self._select(q, step.q_rows),
@@ -163,27 +190,59 @@ class _VarlenKernel:
         return apply
 
 
-_FWD_POSITIONAL = 10
+_FWD_KINDS = ("tensor",) * 5 + ("int", "int", "float", "bool", "bool")
 """query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask."""
-_BWD_POSITIONAL = 14
+_BWD_KINDS = ("tensor",) * 8 + ("int", "int", "float", "bool", "tensor", "tensor")
 """grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
 rng_state (philox_seed before 2.6), unused (philox_offset)."""
 
 
-def check_aten_schemas(forward_schema: Any, backward_schema: Any) -> None:
-    """Raise ``RuntimeError`` unless the aten flash ops take the arguments :class:`TorchFlashKernel` passes.
+def _kind(type_: Any) -> str:
+    """``tensor``, ``int``, ``float``, ``bool`` or the type's own name, for a schema argument's type (optional
+    types as their element: this kernel passes a value)."""
+    name = str(type_)
+    if name.startswith("Optional[") and name.endswith("]"):
+        name = name[len("Optional[") : -1]
+    return {"Tensor": "tensor", "SymInt": "int", "int": "int", "float": "float", "bool": "bool"}.get(name, name)
 
-    The positional prefix (10 forward, 14 backward arguments) and the keyword ``scale`` have been stable from
-    torch 2.4 to 2.13 (names changed: ``philox_seed, philox_offset`` became ``rng_state, unused``).
+
+def check_aten_schemas(forward_schema: Any, backward_schema: Any) -> None:
+    """Raise ``RuntimeError`` (one line) unless the aten flash ops take the arguments :class:`TorchFlashKernel`
+    passes: the types of the positional prefix (10 forward, 14 backward arguments; names changed across releases:
+    ``philox_seed, philox_offset`` became ``rng_state, unused``), a keyword ``scale`` that takes a float, no other
+    required keyword, and at least two (forward) or three (backward) tensors returned.
     """
-    for schema, count in ((forward_schema, _FWD_POSITIONAL), (backward_schema, _BWD_POSITIONAL)):
+    for schema, kinds, returns in ((forward_schema, _FWD_KINDS, 2), (backward_schema, _BWD_KINDS, 3)):
         positional = [a for a in schema.arguments if not a.kwarg_only]
-        keywords = {a.name for a in schema.arguments if a.kwarg_only}
-        if len(positional) != count or "scale" not in keywords or positional[0].name not in ("query", "grad_out"):
+        keywords = {a.name: a for a in schema.arguments if a.kwarg_only}
+        got = tuple(_kind(a.type) for a in positional)
+        required = [n for n, a in keywords.items() if n != "scale" and not a.has_default_value()]
+        outputs = [_kind(r.type) for r in schema.returns]
+        if (
+            got != kinds
+            or "scale" not in keywords
+            or _kind(keywords["scale"].type) != "float"
+            or required
+            or outputs[:returns] != ["tensor"] * returns
+        ):
             raise RuntimeError(
-                f"torch {torch.__version__}: unexpected signature {schema}; the 'torch' attention kernel supports "
-                "the aten flash ops of torch 2.4-2.13 (use kernel='flash' with flash-attn instead)"
+                f"torch {torch.__version__}: the aten flash op {schema.name} has the unsupported signature {schema}; "
+                "the 'torch' attention kernel supports those of torch 2.4-2.13 (use kernel='flash' with flash-attn)"
             )
+
+
+def probe_native_gqa(forward_op: Callable[..., Any], device: torch.device) -> bool:
+    """Whether ``forward_op`` accepts fewer KV heads than query heads: one tiny call (2 tokens, 2 query heads, 1 KV
+    head, float16) on ``device``; an op that refuses it raises at once, before any kernel runs."""
+    q = torch.zeros((2, 2, 8), dtype=torch.float16, device=device)
+    kv = torch.zeros((2, 1, 8), dtype=torch.float16, device=device)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    try:
+        out = forward_op(q, kv, kv, cu, cu, 2, 2, 0.0, True, False, scale=1.0)[0]
+    except (RuntimeError, ValueError, AssertionError) as error:
+        log.info("the aten flash op takes no grouped KV heads here (%s): KV heads are replicated", error)
+        return False
+    return tuple(out.shape) == tuple(q.shape)
 
 
 class TorchFlashKernel(_VarlenKernel):
@@ -192,7 +251,8 @@ class TorchFlashKernel(_VarlenKernel):
     Args:
         forward_op: The forward op (default ``torch.ops.aten._flash_attention_forward``); injectable for tests.
         backward_op: The backward op (default ``torch.ops.aten._flash_attention_backward``).
-        native_gqa: Pass fewer KV heads than query heads to the op (default: torch >= 2.12).
+        native_gqa: Pass fewer KV heads than query heads to the op (default: probed by :func:`probe_native_gqa`
+            on the first call's device, whatever the torch version).
     """
 
     name = "torch"
@@ -209,11 +269,16 @@ class TorchFlashKernel(_VarlenKernel):
             check_aten_schemas(fwd.default._schema, bwd.default._schema)
             forward_op, backward_op = fwd, bwd
         self._fwd, self._bwd = forward_op, backward_op
-        self.native_gqa = torch_version() >= (2, 12) if native_gqa is None else native_gqa
+        self.native_gqa = native_gqa
+        """Whether the op takes fewer KV heads than query heads (``None``: not probed yet)."""
 
     def _kv(self, k: torch.Tensor, heads: int) -> torch.Tensor:
         group = heads // k.shape[1]
-        return k if self.native_gqa or group == 1 else k.repeat_interleave(group, dim=1)
+        if group == 1:
+            return k
+        if self.native_gqa is None:
+            self.native_gqa = probe_native_gqa(self._fwd, k.device)
+        return k if self.native_gqa else k.repeat_interleave(group, dim=1)
 
     def _forward(self, q, k, v, step: VarlenStep, scale: float):
         heads = q.shape[1]

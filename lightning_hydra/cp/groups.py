@@ -16,36 +16,139 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_hydra.planner import Group
 
-__all__ = ["BufferPool", "CPGroup", "CommClock", "GroupCache", "aligned_blocks", "check_ascending"]
+__all__ = [
+    "BufferPool",
+    "CPGroup",
+    "CommClock",
+    "CudaEventSource",
+    "GroupCache",
+    "HostClockSource",
+    "aligned_blocks",
+    "check_ascending",
+]
 
 log = logging.getLogger(__name__)
 
 
-class CommClock:
-    """Wall seconds this rank spent inside CP collectives (all-to-alls and ring waits), summed since creation.
+class HostClockSource:
+    """Marks on the host's wall clock (``time.perf_counter``): on CPU (gloo) a collective's call returns when its
+    data has moved, so the host time around it is its communication time."""
 
-    The owner reads :attr:`seconds` before and after a microbatch; the difference is its CP communication time,
-    including any wait for a slower member (on GPU, only the host-side time of launching the collectives).
+    immediate = True
+    """Intervals can be read as soon as they end (the clock sums them at once instead of keeping marks)."""
+
+    def mark(self) -> float:
+        """Now, in seconds."""
+        return time.perf_counter()
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds between two marks."""
+        return float(end) - float(start)
+
+    def settle(self, last: Any) -> None:
+        """Nothing to wait for."""
+
+
+class CudaEventSource:
+    """Marks as CUDA events recorded on the device's current stream.
+
+    On NCCL a collective only enqueues work; ``work.wait()`` (and a blocking collective's return) makes the current
+    stream wait for the collective's stream, so an event recorded after it completes only when the collective has,
+    and an event recorded before it marks when the stream reached the collective. Nothing waits on the host until
+    :meth:`settle`, called once per step.
     """
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        """Seconds accumulated so far."""
+    def __init__(self, device: torch.device) -> None:
+        """Args:
+        device: The CUDA device whose current stream runs (and waits for) the collectives.
+        """
+        self.device = device
+
+    immediate = False
+    """Intervals are read once per step, after its last synchronisation."""
+
+    def mark(self) -> Any:
+        """A timing event recorded now on the current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds between two recorded events (both complete)."""
+        return start.elapsed_time(end) / 1e3
+
+    def settle(self, last: Any) -> None:
+        """Wait for the last recorded event (every earlier one on the stream is then complete)."""
+        last.synchronize()
+
+
+class CommClock:
+    """Time this rank spent inside CP collectives (all-to-alls and ring waits), per tag, read once per step.
+
+    Every measured collective records a start and an end mark from its :attr:`source` (the host clock on CPU, CUDA
+    events on GPU: see :meth:`for_device`) under the current tag (:meth:`tag`, the microbatch being run);
+    :meth:`read`, after the step's last synchronisation, settles the last mark once and returns the seconds per
+    tag. Nothing is read, and nothing waits on the device, while the step runs.
+    """
+
+    def __init__(self, source: HostClockSource | CudaEventSource | Any | None = None) -> None:
+        """Args:
+        source: Where marks come from (``mark``, ``elapsed``, ``settle``; default: the host clock). Replaceable
+            at any time (tests inject a recording one).
+        """
+        self.source = source if source is not None else HostClockSource()
+        """The marks' source."""
+        self._tag: Any = None
+        self._spans: list[tuple[Any, Any, Any]] = []
+        self._totals: dict[Any, float] = {}
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> CommClock:
+        """CUDA events on a CUDA device, the host clock elsewhere."""
+        return cls(CudaEventSource(device) if device.type == "cuda" else HostClockSource())
+
+    def tag(self, key: Any) -> None:
+        """Charge the collectives measured from now on to ``key`` (until the next call)."""
+        self._tag = key
 
     @contextmanager
     def measure(self) -> Iterator[None]:
-        """Add the wall time of the block to :attr:`seconds`."""
-        start = time.perf_counter()
+        """Record a start mark before the block and an end mark after it, under the current tag."""
+        source = self.source
+        start = source.mark()
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - start
+            end = source.mark()
+            if getattr(source, "immediate", False):
+                self._totals[self._tag] = self._totals.get(self._tag, 0.0) + source.elapsed(start, end)
+            else:
+                self._spans.append((self._tag, start, end))
+
+    @property
+    def pending(self) -> int:
+        """Measured intervals kept as marks, not read yet."""
+        return len(self._spans)
+
+    def read(self) -> dict[Any, float]:
+        """Seconds per tag since the last read or :meth:`discard` (one wait for the last mark, then none)."""
+        spans, out, self._spans, self._totals = self._spans, self._totals, [], {}
+        if spans:
+            self.source.settle(spans[-1][2])
+        for key, start, end in spans:
+            out[key] = out.get(key, 0.0) + self.source.elapsed(start, end)
+        return out
+
+    def discard(self) -> None:
+        """Forget what was measured since the last read (collectives outside a timed step), without waiting."""
+        self._spans, self._totals = [], {}
 
 
 class BufferPool:
@@ -151,15 +254,16 @@ class GroupCache:
     with the same arguments, in the same order. :meth:`get` then returns handles without creating anything.
     """
 
-    def __init__(self, backend: str | None = None) -> None:
+    def __init__(self, backend: str | None = None, clock: CommClock | None = None) -> None:
         """Args:
         backend: Backend of the created groups (default: the world's).
+        clock: Times the collectives of every handle (default: a host clock).
         """
         self.backend = backend
         self._pgs: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._owned: list[dist.ProcessGroup] = []
         self.buffers = BufferPool()
-        self.clock = CommClock()
+        self.clock = clock if clock is not None else CommClock()
         """Time spent in the collectives of every handle of this cache."""
         self.created = 0
         """Process groups created so far by this cache."""

@@ -169,7 +169,8 @@ class HydraModule(pl.LightningModule):
             return self._run_pipelined(batch, train)
         context = self._context()
         timer = MicrobatchTimer(self.device)
-        comm: list[float] = []
+        clock = runtime.comm_clock
+        clock.discard()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sync = runtime.gradient_sync(self) if train else None
         if sync is not None:
@@ -179,11 +180,10 @@ class HydraModule(pl.LightningModule):
             if mb.num_tokens == 0:
                 if not runtime.must_run(index, last, train=train):
                     timer.skip()  # this rank's group is idle in this microbatch
-                    comm.append(0.0)
                     continue
                 mb = self._zero_token_microbatch(runtime.global_rank)  # sharded state: take part in FSDP's collectives
             group = runtime.group(mb.group)
-            before = group.clock.seconds
+            clock.tag(index)
             timer.start()
             with context.use(group, mb.cu_seqlens):
                 loss_sum = self.microbatch_loss(mb)
@@ -193,13 +193,14 @@ class HydraModule(pl.LightningModule):
                     sync.arm()
                 self.manual_backward(loss_sum / batch.trained_tokens)
             timer.stop()
-            comm.append(group.clock.seconds - before)
             total += loss_sum.detach().double()
         if sync is not None:
             sync.finish()
         else:
             runtime.end_forward_only()
-        forward, backward = timer.read_split()
+        forward, backward = timer.read_split()  # after the step's last synchronisation: then the clock, once
+        spent = clock.read()
+        comm = [spent.get(index, 0.0) for index in range(len(batch.microbatches))]
         busy = [f + b for f, b in zip(forward, backward, strict=True)]
         self.last_timing = StepTiming(busy=busy, comm=comm, forward=forward, backward=backward)
         return runtime.all_sum(total) / max(batch.trained_tokens, 1)

@@ -5,7 +5,9 @@ optimizer state (``get_model_state_dict`` / ``get_optimizer_state_dict``), rank 
 of Lightning's checkpoint (loop and data-module positions, the calibrated cost model and the calibrator). Loading
 reshards to the pool at hand: a checkpoint saved on 4 ranks resumes on 2, and since global batches never depend on
 the world size the run continues with the same batches. A replica pool keeps Lightning's single file (rank 0
-writes it), which loads into either kind of pool, and reads a sharded directory whole (:func:`load_full_checkpoint`).
+writes it from its own state dict; no rank gathers another's), which loads into either kind of pool, and reads a
+sharded directory whole (:func:`load_full_checkpoint`). Neither path gathers state as pickled objects: the distributed
+checkpoint exchanges only its save plans, and :func:`full_state_dict` moves tensors point to point.
 """
 
 from __future__ import annotations
@@ -110,26 +112,57 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def full_state_dict(model: nn.Module, *, sharded: bool, staged: bool, pool_first: bool) -> dict[str, Any]:
-    """The model's full (unsharded, CPU) state dict on every rank; collective when ``sharded`` or ``staged``.
+def full_state_dict(
+    model: nn.Module, *, sharded: bool, staged: bool, pool_first: bool, stage_roots: tuple[int, ...] = (0,)
+) -> dict[str, Any]:
+    """The model's full (unsharded, CPU) state dict on world rank 0 (``{}`` on the others where a gather was needed;
+    a replica's own state dict without stages); collective when ``sharded`` or ``staged``.
+
+    No rank gathers the others' state as objects: a sharded stage gathers its full tensors to its pool position 0
+    (FSDP2's full state dict), and with stages every stage's position 0 sends rank 0 the names, shapes and dtypes
+    of its tensors (one small object, no tensor), then the tensors themselves, one point-to-point transfer each.
+    Only rank 0 ever holds more than its stage.
 
     Args:
         model: This rank's model (its stage's layers, under a pipeline).
-        sharded: Whether the state is FSDP2-sharded over the pool (gathered to full tensors on the CPU).
-        staged: Whether the world holds pipeline stages: every stage's part is gathered from its pool position 0.
+        sharded: Whether the state is FSDP2-sharded over the pool.
+        staged: Whether the world holds pipeline stages.
         pool_first: Whether this rank is its stage's pool position 0.
+        stage_roots: World rank of every stage's pool position 0, in stage order (staged only).
     """
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # unstaged: rank 0 alone receives the CPU copy; staged: each stage's full tensors, sent on by its root
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not staged)
+        mine = get_model_state_dict(model, options=options)
     else:
-        mine = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        mine = model.state_dict()
     if not staged:
-        return mine
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine if pool_first else {})
-    merged: dict[str, Any] = {}
-    for part in parts:
-        merged.update(part)
+        return {k: v.detach().cpu() for k, v in mine.items()}
+    rank = dist.get_rank()
+    merged: dict[str, Any] = {k: v.detach().cpu() for k, v in mine.items()} if rank == 0 else {}
+    for root in stage_roots:
+        if root == 0:
+            continue
+        if rank == root and pool_first:
+            tensors = [(k, v.detach().contiguous()) for k, v in mine.items()]
+            dist.send_object_list([[(k, tuple(v.shape), v.dtype) for k, v in tensors]], dst=0)
+            for _, tensor in tensors:
+                dist.send(tensor, dst=0)
+        elif rank == 0:
+            names: list[Any] = [None]
+            dist.recv_object_list(names, src=root)
+            device = _collective_device()
+            for key, shape, dtype in names[0]:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(tensor, src=root)
+                merged[key] = tensor.cpu()
     return merged
+
+
+def _collective_device() -> torch.device:
+    """Where point-to-point tensors live for the default group's backend (NCCL: this rank's CUDA device)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hydra.strategy.checks import all_gather_single
+
 __all__ = ["GradientReducer"]
 
 log = logging.getLogger(__name__)
@@ -99,9 +101,15 @@ class GradientReducer:
         """Buckets in the observed backward order (the longest observation of any rank; collective)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         mine = [index[i] for i in self._observed]
-        if dist.is_initialized():
-            seen: list[list[int]] = [[] for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather_object(seen, mine, group=self.group)
+        if dist.is_initialized():  # a fixed-size int64 tensor per rank (its length, then its order, -1 padded)
+            size = len(self.params) + 1
+            row = torch.full((size,), -1, dtype=torch.int64, device=self.params[0].device)
+            row[0] = len(mine)
+            row[1 : 1 + len(mine)] = torch.tensor(mine, dtype=torch.int64, device=row.device)
+            table = torch.empty((dist.get_world_size(self.group) * size,), dtype=torch.int64, device=row.device)
+            all_gather_single(table, row, group=self.group)
+            rows = table.view(-1, size).tolist()  # once per run: the only read back to the host
+            seen = [r[1 : 1 + r[0]] for r in rows]
         else:
             seen = [mine]
         chosen = max(seen, key=len)  # ties: the lowest rank (max keeps the first)

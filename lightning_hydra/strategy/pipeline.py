@@ -15,15 +15,19 @@ ids, the others from the previous stage's activations; the last returns the micr
 h``), the reference decoder and Hugging Face Llama-family models use it.
 
 **Schedule.** Each stage runs the 1F1B order (:func:`~lightning_hydra.metrics.bubbles.one_f_one_b_order`: ``P - s
-- 1`` warm-up forwards, one forward / one backward alternating, the remaining backwards). Every activation or
-gradient is preceded by its shape (an int64 pair), checked against what the plan says it must be; sends are
-asynchronous and waited at the end of the step, receives block. A pool position idle in a microbatch is idle at
-every stage (same plan), so both sides skip it without a message. The loss lives on the last stage, normalised by
-the global batch's trained tokens, so the run stays exact.
+- 1`` warm-up forwards, one forward / one backward alternating, the remaining backwards). Every transfer's shape
+comes from the plan every stage holds (no header travels, nothing is read back to the host) and its dtype from the
+model (:func:`wire_dtype`). Each exchange with a neighbour is one ``batch_isend_irecv`` that pairs a send with the
+receive the next operation needs, the same pairs in the same order on both ends of every link
+(:func:`p2p_schedule`), so NCCL cannot deadlock on sends and receives posted in opposite orders. Receives are waited
+for when needed, sends at the end of the step. A pool position idle in a microbatch is idle at every stage (same
+plan), so both sides skip it without a message. The loss lives on the last stage, normalised by the global batch's
+trained tokens, so the run stays exact.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +37,18 @@ from lightning_hydra.metrics.bubbles import one_f_one_b_order
 from lightning_hydra.metrics.timing import OpTimer
 from lightning_hydra.models.stages import stage_layers
 
-__all__ = ["PipelineLayout", "PipelineStep", "StageTimeline", "run_pipeline", "stage_layers"]
+__all__ = [
+    "PipelineLayout",
+    "PipelineStep",
+    "StageTimeline",
+    "Transfer",
+    "link_exchanges",
+    "p2p_schedule",
+    "run_pipeline",
+    "stage_layers",
+    "stage_order",
+    "wire_dtype",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,45 +120,164 @@ class PipelineStep:
     """Seconds in CP collectives per microbatch."""
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point transfer of a pipelined step, as one end of the link sees it."""
+
+    send: bool
+    """This rank sends (``False``: receives)."""
+    peer: int
+    """-1: the previous stage; +1: the next stage."""
+    kind: str
+    """``"act"`` (activations, forward) or ``"grad"`` (their gradients, backward)."""
+    microbatch: int
+    """The microbatch the tensor belongs to."""
 
 
-class _Link:
-    """Shape-checked point-to-point transfers with one neighbouring stage: a header ``[tokens, width, dtype]``
-    (int64) before every tensor."""
+Exchange = tuple[Transfer, ...]
+"""Transfers posted together, as one ``batch_isend_irecv``."""
 
-    def __init__(self, peer: int, device: torch.device) -> None:
-        self.peer = peer
+
+def stage_order(stage: int, stages: int, active: list[int], *, train: bool) -> list[tuple[str, int]]:
+    """The operations of ``stage``: the 1F1B order (forwards only when not ``train``) of the microbatches ``active``
+    (those its pool position runs: the same on every stage, the plan is)."""
+    order = one_f_one_b_order(stage, stages, len(active)) if train else [("F", i) for i in range(len(active))]
+    return [(kind, active[i]) for kind, i in order]
+
+
+def _paired(upper: list[tuple[str, int]], lower: list[tuple[str, int]]) -> set[tuple[int, int]]:
+    """``(m, k)`` where the earlier stage runs ``F(m)`` right before ``B(k)`` and the later one ``B(k)`` right
+    before ``F(m)``: activations ``m`` and gradients ``k`` then cross the link in one exchange."""
+    ahead = {(a[1], b[1]) for a, b in itertools.pairwise(upper) if a[0] == "F" and b[0] == "B"}
+    behind = {(b[1], a[1]) for a, b in itertools.pairwise(lower) if a[0] == "B" and b[0] == "F"}
+    return ahead & behind
+
+
+def p2p_schedule(stage: int, stages: int, active: list[int], *, train: bool) -> list[tuple[Exchange, Exchange]]:
+    """The transfers of ``stage`` around every operation of its :func:`stage_order`: for each operation, the
+    exchange posted before it (its input, unless already posted) and the one posted after it (its output).
+
+    Activations ``m`` sent down after ``F(m)`` and gradients ``k`` sent up after ``B(k)`` travel in one exchange
+    (one ``batch_isend_irecv`` on each end) when the earlier stage runs ``F(m)`` right before ``B(k)`` and the later
+    stage ``B(k)`` right before ``F(m)`` (the steady 1F1B phase); every other transfer is an exchange of its own.
+    Both ends derive the same pairs from the same orders and post the transfers of a link in the same order
+    (:func:`link_exchanges`; the tests check every link of up to 8 stages), so NCCL cannot deadlock on a send and a
+    receive of the same two ranks posted in opposite orders.
+
+    Args:
+        stage: This stage.
+        stages: Pipeline stages.
+        active: The microbatches this pool position runs, ascending.
+        train: Forwards and backwards (``False``: forwards only).
+    """
+    orders = {s: stage_order(s, stages, active, train=train) for s in (stage - 1, stage, stage + 1) if 0 <= s < stages}
+    down = _paired(orders[stage], orders[stage + 1]) if stage + 1 < stages else set()
+    up = _paired(orders[stage - 1], orders[stage]) if stage > 0 else set()
+    recv_act_with = {k: m for m, k in up}  # after B(k), the activations m arrive in the same exchange
+    recv_grad_with = dict(down)  # after F(m), the gradients k arrive in the same exchange
+    first, last = stage == 0, stage == stages - 1
+    out: list[tuple[Exchange, Exchange]] = []
+    posted: set[tuple[str, int]] = set()
+    for kind, m in orders[stage]:
+        before: list[Transfer] = []
+        after: list[Transfer] = []
+        if kind == "F":
+            if not first and ("act", m) not in posted:
+                before.append(Transfer(False, -1, "act", m))
+            if not last:
+                after.append(Transfer(True, 1, "act", m))
+                if m in recv_grad_with:
+                    after.append(Transfer(False, 1, "grad", recv_grad_with[m]))
+                    posted.add(("grad", recv_grad_with[m]))
+        else:
+            if not last and ("grad", m) not in posted:
+                before.append(Transfer(False, 1, "grad", m))
+            if not first:
+                after.append(Transfer(True, -1, "grad", m))
+                if m in recv_act_with:
+                    after.append(Transfer(False, -1, "act", recv_act_with[m]))
+                    posted.add(("act", recv_act_with[m]))
+        out.append((tuple(before), tuple(after)))
+    return out
+
+
+def link_exchanges(schedule: list[tuple[Exchange, Exchange]], peer: int) -> list[frozenset[tuple[str, str, int]]]:
+    """The exchanges of ``schedule`` with one neighbour (``peer`` -1 or +1), in posting order, as sets of ``(flow,
+    kind, microbatch)`` with ``flow`` ``"down"`` (towards the later stage) or ``"up"``: the same list on both ends
+    of a link means they post the same batches in the same order."""
+    out = []
+    for exchange in (x for pair in schedule for x in pair):
+        mine = [t for t in exchange if t.peer == peer]
+        if mine:
+            out.append(frozenset(("down" if t.send == (t.peer > 0) else "up", t.kind, t.microbatch) for t in mine))
+    return out
+
+
+class _Links:
+    """Posts a stage's exchanges (:func:`p2p_schedule`) as one ``batch_isend_irecv`` each. Shapes come from the
+    plan (every stage holds the same) and the dtype from the model, so no header travels and nothing is read back
+    to the host; a receive is waited for when its tensor is needed, every transfer at the end of the step."""
+
+    def __init__(self, world_rank: int, pool: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.peers = {-1: world_rank - pool, 1: world_rank + pool}
         self.device = device
-        self.pending: list = []
+        self.dtype = dtype
+        self.received: dict[tuple[str, int], tuple[torch.Tensor, list]] = {}
+        self.works: list = []
+        self.done: set[int] = set()  # ids of the works already waited for (the works stay alive in ``works``)
+        self.kept: list[torch.Tensor] = []  # sent tensors stay alive until their sends complete
 
-    def send(self, tensor: torch.Tensor) -> None:
-        if tensor.dim() != 2 or tensor.dtype not in _DTYPES:
-            raise TypeError(f"pipeline stages exchange [tokens, hidden] float tensors, got {tuple(tensor.shape)}")
-        header = torch.tensor([*tensor.shape, _DTYPES.index(tensor.dtype)], dtype=torch.int64, device=self.device)
-        self.pending.append((header, dist.isend(header, self.peer)))
-        if tensor.numel():
-            payload = tensor.detach().contiguous()
-            self.pending.append((payload, dist.isend(payload, self.peer)))
+    def post(self, exchange: Exchange, shape: dict[int, tuple[int, int]], sending: torch.Tensor | None = None) -> None:
+        """Post ``exchange`` (at most one send: ``sending``); ``shape[m]`` is microbatch ``m``'s ``[tokens,
+        width]``."""
+        ops = []
+        waiting = []
+        for t in exchange:
+            expected = shape[t.microbatch]
+            if t.send:
+                assert sending is not None
+                if tuple(sending.shape) != expected:
+                    raise RuntimeError(f"pipeline: a {tuple(sending.shape)} tensor where the plan says {expected}")
+                tensor = sending.detach().to(self.dtype).contiguous()
+                self.kept.append(tensor)
+            else:
+                tensor = torch.empty(expected, dtype=self.dtype, device=self.device)
+                waiting.append((t.kind, t.microbatch, tensor))
+            if tensor.numel():  # a zero-token pass sends nothing: both ends know it from the plan
+                ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, tensor, self.peers[t.peer]))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self.works.extend(works)
+        for kind, m, tensor in waiting:
+            self.received[(kind, m)] = (tensor, works)
 
-    def recv(self, expected: tuple[int, int]) -> torch.Tensor:
-        header = torch.zeros(3, dtype=torch.int64, device=self.device)
-        dist.recv(header, self.peer)
-        tokens, width, code = (int(x) for x in header.tolist())
-        if (tokens, width) != expected:
-            raise RuntimeError(
-                f"pipeline: rank {self.peer} sent a {(tokens, width)} tensor where the plan expects {expected}: "
-                "the stages disagree on the plan"
-            )
-        out = torch.empty(expected, dtype=_DTYPES[code], device=self.device)
-        if out.numel():
-            dist.recv(out, self.peer)
-        return out
+    def take(self, kind: str, m: int) -> torch.Tensor:
+        """The received tensor of ``(kind, m)``, once its exchange has completed."""
+        tensor, works = self.received.pop((kind, m))
+        self._complete(works)
+        return tensor
+
+    def _complete(self, works: list) -> None:
+        for work in works:
+            if id(work) not in self.done:  # a gloo work waited for twice never returns
+                work.wait()
+                self.done.add(id(work))
 
     def wait(self) -> None:
-        for _, work in self.pending:
-            work.wait()
-        self.pending.clear()
+        """Complete every transfer posted."""
+        self._complete(self.works)
+        self.works.clear()
+        self.done.clear()
+        self.kept.clear()
+
+
+def wire_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype activations and their gradients travel in between stages: the model's (first floating-point
+    parameter's; float32 without one). Every stage derives the same one; a stage output of another dtype (autocast)
+    is cast to it."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden_size: int) -> PipelineStep:
@@ -160,67 +294,67 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
     stage, stages = runtime.stage, layout.stages
     first, last = stage == 0, stage == stages - 1
     device = runtime.device
-    prev = _Link(runtime.world_rank - layout.pool, device) if not first else None
-    nxt = _Link(runtime.world_rank + layout.pool, device) if not last else None
+    links = _Links(runtime.world_rank, layout.pool, device, wire_dtype(module))
     microbatches = batch.microbatches
     count = len(microbatches)
-    order = one_f_one_b_order(stage, stages, count) if train else [("F", m) for m in range(count)]
+    # the microbatches this pool position runs (the same on every stage: the plan is), in 1F1B order among them
+    active = [m for m, mb in enumerate(microbatches) if mb.num_tokens or runtime.must_run(m, count - 1, train=train)]
+    order = stage_order(stage, stages, active, train=train)
+    schedule = p2p_schedule(stage, stages, active, train=train)
+    shape = {m: (mb.num_tokens, hidden_size) for m, mb in enumerate(microbatches)}
     sync = runtime.gradient_sync(module) if train else None
     if sync is not None:
         sync.begin()
     context = module._context()
     timer = OpTimer(device)
-    comm = [0.0] * count
+    clock = runtime.comm_clock
+    clock.discard()
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     backwards = [m for kind, m in order if kind == "B"]
-    for kind, m in order:
+    for (kind, m), (before, after) in zip(order, schedule, strict=True):
         mb = microbatches[m]
         if mb.num_tokens == 0:
-            if not runtime.must_run(m, count - 1, train=train):
-                continue
             mb = module._zero_token_microbatch(runtime.global_rank)
-        shape = (mb.num_tokens, hidden_size)
         group = runtime.group(mb.group)
+        links.post(before, shape)
+        clock.tag(m)
         if kind == "F":
-            hidden = prev.recv(shape) if prev is not None else None
+            hidden = None if first else links.take("act", m)
             if hidden is not None and train:
                 hidden.requires_grad_(True)
-            before = group.clock.seconds
             timer.begin(("F", m))
             with context.use(group, mb.cu_seqlens), torch.set_grad_enabled(train):
                 out = module.stage_forward(mb, hidden)
             timer.end(("F", m))
-            comm[m] += group.clock.seconds - before
             if last:
                 loss_sum += out.detach().double()
                 out = out / batch.trained_tokens
-            elif nxt is not None:
-                nxt.send(out)
+            links.post(after, shape, None if last else out)
             if train:
                 saved[m] = (hidden, out)
         else:
             hidden, out = saved.pop(m)
-            grad = nxt.recv(shape) if nxt is not None else None
+            grad = None if last else links.take("grad", m)
             if sync is not None and m == backwards[-1]:
                 sync.arm()
-            before = group.clock.seconds
             timer.begin(("B", m))
             if out.requires_grad:
                 torch.autograd.backward(out, grad.to(out.dtype) if grad is not None else None)
             timer.end(("B", m))
-            comm[m] += group.clock.seconds - before
-            if prev is not None:
+            sending = None
+            if not first:
                 assert hidden is not None
-                prev.send(hidden.grad if hidden.grad is not None else torch.zeros_like(hidden))
-    for link in (prev, nxt):
-        if link is not None:
-            link.wait()
+                sending = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
+            links.post(after, shape, sending)
+    links.wait()
     if sync is not None:
         sync.finish()
     else:
         runtime.end_forward_only()
-    ops = timer.read()
+    ops = timer.read()  # after the step's last synchronisation: then the clock, once
+    spent = clock.read()
+    comm = [spent.get(m, 0.0) for m in range(count)]
     timeline = StageTimeline([0.0] * count, [0.0] * count, [[-1.0] * 4 for _ in range(count)])
     for (kind, m), (busy, begin, end) in ops.items():
         if kind == "F":

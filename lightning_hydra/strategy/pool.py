@@ -66,7 +66,7 @@ class PoolRuntime(HydraRuntime):
         """Global rank of this stage's pool position 0."""
         self.stage_group: dist.ProcessGroup | None = None
         """The stage's pool as a process group (``None``: the world, with one stage)."""
-        self.cache = GroupCache(backend=backend)
+        self.cache = GroupCache(backend=backend, clock=self.comm_clock)
         self.local_world_size = local_world_size
         self._reducer: GradientReducer | None = None
         self._reducer_params: list[int] = []

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hydra.cp import CPGroup
+from lightning_hydra.cp import CommClock, CPGroup
 from lightning_hydra.metrics.record import StepRecord, step_row
 from lightning_hydra.metrics.timing import StepTiming
 from lightning_hydra.planner import BatchPlanner, CostModel, DegreeRules, Group, Plan, PlannerConfig
@@ -145,6 +145,8 @@ class HydraRuntime(ABC):
         """Pipeline stages of the run."""
         self.offset = 0
         """Global rank of this stage's pool position 0."""
+        self.comm_clock = CommClock.for_device(device)
+        """Times this rank's CP collectives (CUDA events on GPU, the host clock on CPU), read once per step."""
 
     # ------------------------------------------------------------------ the model and its cost
     def bind(self, module: nn.Module) -> None:
@@ -296,12 +298,12 @@ class HydraRuntime(ABC):
         )
         if self.calibrate:
             features = record.features.reshape(-1, NUM_FEATURES)
-            # CPU thread time excludes communication, measured apart (CommClock's wall time in CP collectives):
-            # both are fitted. On CUDA the clock sees only the host's launch time, so communication stays inside
-            # the event-timed busy time. On a host with more ranks than cores the wall time in collectives is
+            # The CommClock measures the time in CP collectives on the device that runs them (CUDA events on GPU,
+            # the host clock on CPU): both it and the busy time are fitted (on CUDA the busy time includes it and
+            # the calibrator subtracts it). On a host with more ranks than cores the wall time in collectives is
             # mostly waiting for time-sliced peers, not transfer (measured: it doubled the calibrated model's error
             # in the 4-rank demo on 2 cores), so it is not fitted there.
-            comm = None if record.includes_comm or self.oversubscribed else record.comm.ravel()
+            comm = None if self.oversubscribed else record.comm.ravel()
             self.calibrator.add(features, record.busy.ravel(), includes_comm=record.includes_comm, comm=comm)
             self.adopt_refit()
         self.last_record = record
@@ -339,7 +341,7 @@ class LocalRuntime(HydraRuntime):
 
     def group(self, record: Group) -> CPGroup:
         """The local degree-1 group."""
-        return CPGroup((0,), 1, 1)
+        return CPGroup((0,), 1, 1, clock=self.comm_clock)
 
     def gradient_sync(self, module: nn.Module) -> GradientSync:
         """Nothing to sum with one process."""

@@ -472,12 +472,15 @@ class HydraStrategy(ParallelStrategy):
         return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The model's full (unsharded, CPU) state dict on every rank (collective when sharded or staged)."""
+        """The model's full (unsharded, CPU) state dict on world rank 0 (collective when sharded or staged; see
+        :func:`~lightning_hydra.strategy.checkpoint.full_state_dict`)."""
         assert self.model is not None
-        staged = self.runtime is not None and self.runtime.stages > 1
-        first = self.runtime is None or self.runtime.global_rank == 0
+        runtime = self.runtime
+        staged = runtime is not None and runtime.stages > 1
+        first = runtime is None or runtime.global_rank == 0
+        roots = tuple(runtime.layout.stage_ranks(s)[0] for s in range(runtime.stages)) if staged else (0,)
         sharded = self.sharding != "none" or self.tensor_parallel > 1  # DTensors, gathered to full tensors
-        return full_state_dict(self.model, sharded=sharded, staged=staged, pool_first=first)
+        return full_state_dict(self.model, sharded=sharded, staged=staged, pool_first=first, stage_roots=roots)
 
     @override
     def model_to_device(self) -> None:
