@@ -63,8 +63,15 @@ def test_dry_run_lists_every_check_and_runs_none(capsys: pytest.CaptureFixture[s
 
 def test_one_rank_world_checks_run_the_strategys_step_on_cpu() -> None:
     """The checks a GPU runs over a one-rank NCCL group, here over gloo: the real step, the clock, zero2 and a
-    sharded checkpoint resumed."""
-    rows = _load().world_checks(torch.device("cpu"), "cpu", quick=True)
+    sharded checkpoint resumed. In a child process, as the script runs: Lightning's one-rank world leaves its
+    ``MASTER_PORT`` and store behind in the process that ran it, where the next test's launcher would meet them."""
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); import gpu_check; "
+        "print(json.dumps(gpu_check.world_checks(torch.device('cpu'), 'cpu', quick=True)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r["check"] for r in rows] == ["world_step", "comm_clock", "world_zero2_checkpoint"]
     assert all(r["ok"] for r in rows), rows
     assert rows[0]["backend"] == "gloo" and rows[0]["clock"] == "HostClockSource" and rows[2]["sharded"]
