@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from lightning_hydra.cp import KERNEL_NAMES, CPContext, CPGroup, available_kernels, select_kernel
+from lightning_hydra.cp import KERNEL_NAMES, CPContext, CPGroup, available_kernels, kernels, select_kernel
 from lightning_hydra.cp.blocks import ring_segments
 from lightning_hydra.cp.cpu_kernel import CpuKernel
-from lightning_hydra.cp.cuda_kernels import FlashAttnKernel, TorchFlashKernel, check_aten_schemas
+from lightning_hydra.cp.cuda_kernels import AtenSchemaError, FlashAttnKernel, TorchFlashKernel, check_aten_schemas
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_shard
 from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout, gathered_order
-from tests.varlen_fakes import FakeAtenOps, flash_interface
+from tests.varlen_fakes import FakeAtenOps, aten_packets, flash_interface
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 AWKWARD = [0, 1, 2, 3, 5, 8, 8, 8, 0, 13, 1, 1, 40, 16, 16, 200]
@@ -156,6 +157,84 @@ def test_aten_schema_check() -> None:
         assert before in text
         with pytest.raises(RuntimeError, match="unsupported signature"):
             check_aten_schemas(torch._C.parse_schema(text.replace(before, after)), older)
+
+
+def _as_if_cuda(monkeypatch: pytest.MonkeyPatch, ops: FakeAtenOps, replace, flash_installed: bool) -> list:
+    """Select kernels on CPU as on a CUDA build: torch's flash ops are ``ops`` (forward schema edited by
+    ``replace``), flash-attn 2.6 is a stand-in (installed or not). Returns the flash stand-in's call record."""
+    forward, backward = aten_packets(ops, replace)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
+    monkeypatch.setattr(kernels, "_torch_flash_available", lambda: True)
+    monkeypatch.setattr(kernels, "_flash_attn_installed", lambda: flash_installed)
+    calls: list = []
+    monkeypatch.setattr(
+        kernels, "FlashAttnKernel", lambda: FlashAttnKernel(interface=flash_interface("2.6", calls), version="2.6.3")
+    )
+    return calls
+
+
+def _fallback_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == kernels.__name__ and r.levelno >= logging.WARNING]
+
+
+def test_auto_takes_the_torch_kernel_where_the_schemas_match(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ops = FakeAtenOps()
+    flash_calls = _as_if_cuda(monkeypatch, ops, None, flash_installed=True)
+    kernel = select_kernel(torch.device("cuda"), "auto")
+    assert isinstance(kernel, TorchFlashKernel) and not _fallback_records(caplog)
+    _check_ring(kernel, AWKWARD, 2, True)
+    assert ops.calls and not flash_calls
+
+
+@pytest.mark.parametrize(
+    "replace",
+    [("SymInt max_q", "Tensor max_q"), ("float? scale=None", "bool? scale=None"), ("float? scale=None, ", "")],
+)
+def test_auto_falls_back_to_flash_on_a_schema_mismatch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, replace: tuple[str, str]
+) -> None:
+    """Same names and counts but another type, another keyword type, no ``scale``: ``auto`` says so in one line
+    and runs flash-attn; ``kernel='torch'`` keeps the one-line error."""
+    ops = FakeAtenOps()
+    flash_calls = _as_if_cuda(monkeypatch, ops, replace, flash_installed=True)
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+        kernel = select_kernel(torch.device("cuda"), "auto")
+    assert isinstance(kernel, FlashAttnKernel)
+    (record,) = _fallback_records(caplog)
+    message = record.getMessage()
+    assert "\n" not in message and "_flash_attention_forward" in message and "falls back to the 'flash'" in message
+    assert "expects (tensor, tensor, tensor, tensor, tensor, int, int, float, bool, bool; *, scale: float)" in message
+    _check_ring(kernel, AWKWARD, 2, True)
+    assert flash_calls and not ops.calls
+    with pytest.raises(AtenSchemaError, match="unsupported signature") as error:
+        select_kernel(torch.device("cuda"), "torch")
+    assert "\n" not in str(error.value)
+    assert isinstance(select_kernel(torch.device("cuda"), "flash"), FlashAttnKernel)
+
+
+def test_auto_fallback_is_logged_on_rank_zero_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _as_if_cuda(monkeypatch, FakeAtenOps(), ("SymInt max_q", "Tensor max_q"), flash_installed=True)
+    monkeypatch.setattr(kernels.dist, "is_initialized", lambda: True)
+    for rank, logged in ((1, 0), (0, 1)):
+        monkeypatch.setattr(kernels.dist, "get_rank", lambda rank=rank: rank)
+        caplog.clear()
+        assert isinstance(select_kernel(torch.device("cuda"), "auto"), FlashAttnKernel)
+        assert len(_fallback_records(caplog)) == logged
+
+
+def test_auto_without_a_fallback_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No flash-attn: CUDA has no other kernel (the CPU kernel takes CPU tensors only), so ``auto`` raises."""
+    _as_if_cuda(monkeypatch, FakeAtenOps(), ("SymInt max_q", "Tensor max_q"), flash_installed=False)
+    with pytest.raises(ValueError, match=r"_flash_attention_forward.*no other CUDA attention kernel") as error:
+        select_kernel(torch.device("cuda"), "auto")
+    assert "\n" not in str(error.value)
+    with pytest.raises(AtenSchemaError, match="unsupported signature"):
+        select_kernel(torch.device("cuda"), "torch")
 
 
 def test_float64_is_refused_before_any_work() -> None:

@@ -121,6 +121,29 @@ class FakeAtenOps:
         return reference_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, is_causal, scale)
 
 
+class FakeOpPacket:
+    """A stand-in of an aten op packet such as ``torch.ops.aten._flash_attention_forward``: callable, with the
+    schema at ``.default._schema`` (torch's own, or a patched one)."""
+
+    def __init__(self, fn: Any, schema: Any) -> None:
+        self._fn = fn
+        self.default = types.SimpleNamespace(_schema=schema)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+
+def aten_packets(ops: FakeAtenOps, replace: tuple[str, str] | None = None) -> tuple[FakeOpPacket, FakeOpPacket]:
+    """``ops`` as the forward and backward op packets, with this torch's schemas; ``replace`` (``before, after``)
+    edits the forward schema's text."""
+    forward = str(torch.ops.aten._flash_attention_forward.default._schema)
+    if replace is not None:
+        assert replace[0] in forward, replace
+        forward = forward.replace(*replace)
+    backward = torch.ops.aten._flash_attention_backward.default._schema
+    return FakeOpPacket(ops.forward, torch._C.parse_schema(forward)), FakeOpPacket(ops.backward, backward)
+
+
 _FORWARD_DOC = "flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)"
 
 

@@ -3,8 +3,9 @@
 - ``torch``: PyTorch's own packed flash attention, ``torch.ops.aten._flash_attention_forward`` and
   ``_flash_attention_backward`` (the ops beneath ``torch.nn.attention.varlen.varlen_attn``). Needs nothing but a
   CUDA build of torch. The ops' schemas (argument and return types, not only names and counts) are checked when
-  the kernel is built; grouped-query attention is passed natively where a tiny probe call shows the op takes it
-  (:func:`probe_native_gqa`), by replicating KV heads elsewhere.
+  the kernel is built (:class:`AtenSchemaError`; ``kernel="auto"`` then falls back to ``flash``); grouped-query
+  attention is passed natively where a tiny probe call shows the op takes it (:func:`probe_native_gqa`), by
+  replicating KV heads elsewhere.
 - ``flash``: the ``flash_attn`` package (optional extra). The forward uses its public ``flash_attn_varlen_func``;
   the backward with a given output and log-sum-exp exists only as the private ``_flash_attn_varlen_backward``,
   whose signature changed across releases (2.5: ``window_size``; 2.6: ``+ softcap``; 2.7/2.8:
@@ -35,6 +36,7 @@ from lightning_hydra.cp.blocks import Accumulator, Segments, merge_rows, to_devi
 from lightning_hydra.cp.layout import ragged_arange
 
 __all__ = [
+    "AtenSchemaError",
     "FlashAttnKernel",
     "TorchFlashKernel",
     "VarlenStep",
@@ -206,11 +208,20 @@ def _kind(type_: Any) -> str:
     return {"Tensor": "tensor", "SymInt": "int", "int": "int", "float": "float", "bool": "bool"}.get(name, name)
 
 
+class AtenSchemaError(RuntimeError):
+    """The aten flash ops' schemas are not those :class:`TorchFlashKernel` calls (one-line message naming the op,
+    what the kernel expects and what the op has)."""
+
+
+def _describe(positional: tuple[str, ...], keywords: list[str], outputs: list[str]) -> str:
+    return f"({', '.join(positional)}; *, {', '.join(keywords)}) -> ({', '.join(outputs)})"
+
+
 def check_aten_schemas(forward_schema: Any, backward_schema: Any) -> None:
-    """Raise ``RuntimeError`` (one line) unless the aten flash ops take the arguments :class:`TorchFlashKernel`
-    passes: the types of the positional prefix (10 forward, 14 backward arguments; names changed across releases:
-    ``philox_seed, philox_offset`` became ``rng_state, unused``), a keyword ``scale`` that takes a float, no other
-    required keyword, and at least two (forward) or three (backward) tensors returned.
+    """Raise :class:`AtenSchemaError` (one line) unless the aten flash ops take the arguments
+    :class:`TorchFlashKernel` passes: the types of the positional prefix (10 forward, 14 backward arguments; names
+    changed across releases: ``philox_seed, philox_offset`` became ``rng_state, unused``), a keyword ``scale`` that
+    takes a float, no other required keyword, and at least two (forward) or three (backward) tensors returned.
     """
     for schema, kinds, returns in ((forward_schema, _FWD_KINDS, 2), (backward_schema, _BWD_KINDS, 3)):
         positional = [a for a in schema.arguments if not a.kwarg_only]
@@ -225,9 +236,11 @@ def check_aten_schemas(forward_schema: Any, backward_schema: Any) -> None:
             or required
             or outputs[:returns] != ["tensor"] * returns
         ):
-            raise RuntimeError(
-                f"torch {torch.__version__}: the aten flash op {schema.name} has the unsupported signature {schema}; "
-                "the 'torch' attention kernel supports those of torch 2.4-2.13 (use kernel='flash' with flash-attn)"
+            expected = _describe(kinds, ["scale: float"], ["tensor"] * returns + ["..."])
+            found = _describe(got, [f"{n}: {_kind(a.type)}" for n, a in keywords.items()], outputs)
+            raise AtenSchemaError(
+                f"torch {torch.__version__}: the aten flash op {schema.name} has an unsupported signature {found}; "
+                f"the 'torch' attention kernel expects {expected} (as in torch 2.4-2.13)"
             )
 
 
@@ -253,6 +266,9 @@ class TorchFlashKernel(_VarlenKernel):
         backward_op: The backward op (default ``torch.ops.aten._flash_attention_backward``).
         native_gqa: Pass fewer KV heads than query heads to the op (default: probed by :func:`probe_native_gqa`
             on the first call's device, whatever the torch version).
+
+    Raises:
+        AtenSchemaError: The default ops' schemas are not those this kernel calls.
     """
 
     name = "torch"

@@ -28,10 +28,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from lightning_hydra.cp.blocks import Accumulator, Segments
 from lightning_hydra.cp.cpu_kernel import CpuKernel
-from lightning_hydra.cp.cuda_kernels import FlashAttnKernel, TorchFlashKernel
+from lightning_hydra.cp.cuda_kernels import AtenSchemaError, FlashAttnKernel, TorchFlashKernel
 
 __all__ = [
     "KERNEL_NAMES",
@@ -46,7 +47,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KERNEL_NAMES = ("auto", "cpu", "torch", "flash")
-"""Valid kernel preferences: ``auto`` (``torch`` on CUDA, falling back to ``flash``; ``cpu`` on CPU) or a name."""
+"""Valid kernel preferences: ``auto`` (``torch`` on CUDA, falling back to ``flash`` where torch has no flash
+attention or its aten flash ops' schemas are not those the ``torch`` kernel calls; ``cpu`` on CPU) or a name."""
 
 
 class AttentionKernel(Protocol):
@@ -104,11 +106,26 @@ def available_kernels() -> list[str]:
     return names
 
 
+def _torch_or_flash() -> AttentionKernel:
+    """``auto`` on CUDA with torch's flash attention: the ``torch`` kernel, or ``flash`` (one log line, rank zero
+    where a process group is up) when the aten ops' schemas differ from those the ``torch`` kernel calls."""
+    try:
+        return TorchFlashKernel()
+    except AtenSchemaError as error:
+        if not _flash_attn_installed():
+            raise ValueError(f"{error}; no other CUDA attention kernel: pip install 'lightning-hydra[cuda]'") from None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("%s; kernel='auto' falls back to the 'flash' kernel (flash-attn)", error)
+        return FlashAttnKernel()
+
+
 def select_kernel(device: torch.device | str, preference: str = "auto") -> AttentionKernel:
     """Pick the kernel for tensors on ``device`` (see :data:`KERNEL_NAMES`).
 
     Raises:
-        ValueError: An unknown name, or a kernel that cannot run on ``device`` or is not installed.
+        ValueError: An unknown name, a kernel that cannot run on ``device`` or is not installed, or ``auto`` on
+            CUDA with neither a usable ``torch`` kernel nor flash-attn.
+        AtenSchemaError: ``torch`` chosen explicitly where the aten flash ops' schemas are not those it calls.
     """
     device = torch.device(device)
     if preference not in KERNEL_NAMES:
@@ -117,7 +134,7 @@ def select_kernel(device: torch.device | str, preference: str = "auto") -> Atten
         if device.type != "cuda":
             preference = "cpu"
         elif _torch_flash_available():
-            preference = "torch"
+            return _torch_or_flash()
         elif _flash_attn_installed():
             preference = "flash"
         else:
