@@ -86,6 +86,8 @@ def test_multi_gpu_dry_run_lists_its_checks() -> None:
     assert done.returncode == 0 and [line["check"] for line in lines[:-1]] == [
         "ring",
         "all_to_all",
+        "tp2_vocab_loss",
         "pipeline",
         "zero2",
+        "tp2",
     ]
