@@ -108,14 +108,22 @@ def _cached() -> bool:
     return True
 
 
+_LOADED = [False]
+"""Whether this process has planned once (its kernels compiled or loaded): a fact of the process, as Numba's
+compiled functions are."""
+
+
 @contextlib.contextmanager
 def first_plan() -> Iterator[None]:
     """Around a process's plans: while Numba's cache lacks the kernels, one process of the node plans at a time (an
     exclusive lock on a file in the temporary directory, named after this file), so that the first compiles the
     kernels and writes the cache, and the others, waiting, then load it (at once, the lock released); with the
-    cache warm, or without compiled kernels, nothing is locked."""
-    if not enabled() or _cached():
+    cache warm, or without compiled kernels, nothing is locked. After a process's first plan its kernels are in
+    memory: later plans check nothing (they run every step, and a kernel that only some batches compile would
+    otherwise keep the cache cold and the lock taken for the whole run)."""
+    if _LOADED[0] or not enabled() or _cached():
         yield
+        _LOADED[0] = True
         return
     import fcntl
 
@@ -126,6 +134,7 @@ def first_plan() -> Iterator[None]:
         if _cached():  # another process wrote the cache while this one waited: load it beside the others
             fcntl.flock(lock, fcntl.LOCK_UN)
         yield
+    _LOADED[0] = True
 
 
 def cost_params(cost: CostModel) -> np.ndarray:
