@@ -73,8 +73,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local = lab - offset
             mine = valid & (local >= 0) & (local < w.shape[0])
             d_logits = torch.exp((h @ w.t()).float() - lse[start : start + chunk, None])
-            rows = torch.arange(lab.numel(), device=lab.device)[mine]
-            d_logits[rows, local[mine]] -= 1.0
+            rows = torch.arange(lab.numel(), device=lab.device)  # no boolean indexing: no host sync per chunk
+            d_logits[rows, torch.where(mine, local, 0)] -= mine.to(d_logits.dtype)
             d_logits = (d_logits * (valid[:, None] * grad)).to(dtype)
             partial = _all_reduce(d_logits @ w, dist.ReduceOp.SUM, group)  # a sum over the vocabulary's shards
             d_hidden[start : start + chunk] = partial.to(hidden.dtype)
