@@ -250,7 +250,9 @@ def _save_and_gather(rank: int, world: int, tmp: str) -> dict:
             p.zero_()
     meta = load_sharded_checkpoint(tmp, model, [optimizer])
     restored = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
-    full = full_state_dict(model, sharded=False, staged=True, pool_first=True, stage_roots=tuple(range(world)))
+    full = full_state_dict(
+        model, sharded=False, staged=True, device=torch.device("cpu"), stage_roots=tuple(range(world))
+    )
     return {
         "log": log,
         "on_save": on_save,

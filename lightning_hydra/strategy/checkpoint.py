@@ -113,7 +113,7 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def full_state_dict(
-    model: nn.Module, *, sharded: bool, staged: bool, pool_first: bool, stage_roots: tuple[int, ...] = (0,)
+    model: nn.Module, *, sharded: bool, staged: bool, device: torch.device, stage_roots: tuple[int, ...] = (0,)
 ) -> dict[str, Any]:
     """The model's full (unsharded, CPU) state dict on world rank 0 (``{}`` on the others where a gather was needed;
     a replica's own state dict without stages); collective when ``sharded`` or ``staged``.
@@ -127,7 +127,7 @@ def full_state_dict(
         model: This rank's model (its stage's layers, under a pipeline).
         sharded: Whether the state is FSDP2-sharded over the pool.
         staged: Whether the world holds pipeline stages.
-        pool_first: Whether this rank is its stage's pool position 0.
+        device: Where the tensors rank 0 receives land (the strategy's root device: NCCL's CUDA device, gloo's CPU).
         stage_roots: World rank of every stage's pool position 0, in stage order (staged only).
     """
     if sharded:
@@ -145,7 +145,7 @@ def full_state_dict(
     for root in stage_roots:
         if root == 0:
             continue
-        if rank == root and pool_first:
+        if rank == root:
             tensors = [(k, v.detach().contiguous()) for k, v in mine.items()]
             dist.send_object_list([[(k, tuple(v.shape), v.dtype) for k, v in tensors]], dst=0)
             for _, tensor in tensors:
@@ -153,16 +153,8 @@ def full_state_dict(
         elif rank == 0:
             names: list[Any] = [None]
             dist.recv_object_list(names, src=root)
-            device = _collective_device()
             for key, shape, dtype in names[0]:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(tensor, src=root)
                 merged[key] = tensor.cpu()
     return merged
-
-
-def _collective_device() -> torch.device:
-    """Where point-to-point tensors live for the default group's backend (NCCL: this rank's CUDA device)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

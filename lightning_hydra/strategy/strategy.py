@@ -477,10 +477,9 @@ class HydraStrategy(ParallelStrategy):
         assert self.model is not None
         runtime = self.runtime
         staged = runtime is not None and runtime.stages > 1
-        first = runtime is None or runtime.global_rank == 0
         roots = tuple(runtime.layout.stage_ranks(s)[0] for s in range(runtime.stages)) if staged else (0,)
         sharded = self.sharding != "none" or self.tensor_parallel > 1  # DTensors, gathered to full tensors
-        return full_state_dict(self.model, sharded=sharded, staged=staged, pool_first=first, stage_roots=roots)
+        return full_state_dict(self.model, sharded=sharded, staged=staged, device=self.root_device, stage_roots=roots)
 
     @override
     def model_to_device(self) -> None:
