@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_hydra.cp.groups import aligned_blocks
-from lightning_hydra.metrics.record import StepGather
 from lightning_hydra.planner import CostModel, Group
 from lightning_hydra.strategy.checks import check_digests
 from lightning_hydra.strategy.pipeline import PipelineLayout
@@ -185,8 +184,4 @@ class TensorPoolRuntime(PoolRuntime):
 
     def _gather_rows(self, row: np.ndarray) -> np.ndarray:
         """Every rank's row, then TP rank 0's of each position (its TP peers measured the same work)."""
-        if self._gather is None or self._gather.row_size != row.size:
-            self._gather = StepGather(self.world, row.size).to(self.device)
-        self._gather.reset()
-        self._gather.update(row)
-        return self._gather.compute().cpu().numpy()[:: self.tensor]
+        return super()._gather_rows(row)[:: self.tensor]
