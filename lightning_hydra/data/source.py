@@ -68,12 +68,7 @@ def in_memory_lengths(dataset: Any, name: str) -> list[int] | None:
     reading them costs nothing: the launching process checks them before any rank starts. ``None`` for any other
     dataset (its lengths are given, or scanned at set-up by the pool); an item that holds no token ids is a
     :class:`~lightning_hydra.errors.ConfigError` naming it."""
-    if not isinstance(dataset, list | tuple):
-        return None
-    try:
-        return [_length_of(dataset, i) for i in range(len(dataset))]
-    except ValueError as exc:
-        raise ConfigError(f"the {name} dataset's {exc}") from None
+    return _scan(dataset, name, None) if isinstance(dataset, list | tuple) else None
 
 
 def _length_of(dataset: Any, index: int) -> int:
@@ -104,6 +99,8 @@ class DatasetSource:
         self.name = name
         if lengths is None and hasattr(dataset, "lengths"):
             lengths = dataset.lengths()
+        if lengths is None:
+            lengths = in_memory_lengths(dataset, name)  # read where it is held: no gather across the pool
         if lengths is None:
             lengths = _scan(dataset, name, runtime)
         self.max_seq_len = max_seq_len if truncate else None
