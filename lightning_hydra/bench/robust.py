@@ -369,9 +369,7 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 (c["calibrated"]["loop_min_of_ceiling"] for c in mine if c["calibrated"].get("loop_steps")),
                 default=None,
             ),
-            "mean_calibrated_waiting": {
-                k: round(statistics.fmean(c["calibrated"]["waiting"][k] for c in mine), 4) for k in ("useful", *CAUSES)
-            },
+            "mean_calibrated_waiting": _mean_shares([c["calibrated"]["waiting"] for c in mine]),
             "cells_below_efficiency_target": sum(c["calibrated"]["hydra"] < EFFICIENCY_TARGET for c in mine),
             "cells": len(mine),
         }
