@@ -56,7 +56,7 @@ BF16_BOUND = 2e-2
 """Relative bound for bf16 results against a float32 reference."""
 
 
-def _reference(q, k, v, dout, cu, causal):
+def reference_attention(q, k, v, dout, cu, causal):
     """Per-document float32 SDPA: output and gradients of ``q, k, v``."""
     rep = q.shape[1] // k.shape[1]
     leaves = [x.float().clone().requires_grad_() for x in (q, k, v)]
@@ -149,7 +149,8 @@ def emulate(q, k, v, dout, cu, ring, causal, kernel: AttentionKernel):
     )
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` in float32."""
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
@@ -165,10 +166,11 @@ def ring_checks(
         q, k, v, dout = (
             torch.randn(cu[-1], h, 64, generator=g).to(device, dtype) for h in (heads, kv_heads, kv_heads, heads)
         )
-        ref_out, ref_grads = _reference(q, k, v, dout, cu, causal)
+        ref_out, ref_grads = reference_attention(q, k, v, dout, cu, causal)
         got = emulate(q, k, v, dout, cu, ring, causal, kernel)
         errors = {
-            name: _rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref_out, *ref_grads], strict=True)
+            name: relative_error(a, b)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref_out, *ref_grads], strict=True)
         }
         rows.append(
             {"ring": ring, "causal": causal, "heads": heads, "kv_heads": kv_heads, "errors": errors}
@@ -258,7 +260,7 @@ def train_check(
     ref_logits = reference(tokens.to(device), ref_positions.to(device))
     ref_loss = F.cross_entropy(ref_logits.float(), labels.to(device), ignore_index=-100, reduction="sum") / trained
     ref_loss.backward()
-    grad_errors = [_rel(grads[name], p.grad) for name, p in reference.named_parameters()]
+    grad_errors = [relative_error(grads[name], p.grad) for name, p in reference.named_parameters()]
     loss_error = abs(float(loss.detach()) - float(ref_loss.detach())) / abs(float(ref_loss.detach()))
     finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
     bound = BF16_BOUND if dtype in (torch.bfloat16, torch.float16) else 1e-4

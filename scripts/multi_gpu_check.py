@@ -40,7 +40,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from gpu_check import BF16_BOUND, reference_attention, relative_error  # beside this script
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
@@ -122,13 +122,9 @@ def reference(out: str, device: torch.device, precision: str) -> None:
     torch.save({"losses": losses, "state": state}, out)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
-
-
 def _dtype_bound(device: torch.device) -> tuple[torch.dtype, float]:
     """The inputs' dtype of the checks against float32 in this process, and their bound."""
-    return (torch.bfloat16, 2e-2) if device.type == "cuda" else (torch.float32, 1e-5)
+    return (torch.bfloat16, BF16_BOUND) if device.type == "cuda" else (torch.float32, 1e-5)
 
 
 def _worst(errors: dict[str, float], device: torch.device) -> float:
@@ -155,22 +151,11 @@ def attention_check(name: str, rank: int, world: int, device: torch.device) -> d
     ins = [zigzag_shard(x, cu, world, rank).contiguous().requires_grad_() for x in (q, k, v)]
     out = hydra_attn_func(*ins, cu, group=group)
     out.backward(zigzag_shard(dout, cu, world, rank))
-    full = [x.float().clone().requires_grad_() for x in (q, k, v)]
-    rep = heads // kv_heads
-    ref = torch.cat(
-        [
-            F.scaled_dot_product_attention(
-                *(x[a:b].transpose(0, 1).repeat_interleave(r, 0) for x, r in zip(full, (1, rep, rep), strict=True)),
-                is_causal=True,
-            ).transpose(0, 1)
-            for a, b in itertools.pairwise(cu)
-        ]
-    )  # per-document float32 attention of the whole bin in this process
-    ref.backward(dout.float())
-    refs = [ref.detach(), *(x.grad for x in full)]
+    ref, grads = reference_attention(q, k, v, dout, cu, True)  # the whole bin in float32 in this process
+    refs = [ref, *grads]
     real = zigzag_shard(torch.ones((cu[-1], 1, 1), device=device), cu, world, rank)  # 0 on padding rows
     errors = {
-        n: _rel(a * real, zigzag_shard(b, cu, world, rank))
+        n: relative_error(a * real, zigzag_shard(b, cu, world, rank))
         for n, a, b in zip(("out", "dq", "dk", "dv"), [out.detach(), *(x.grad for x in ins)], refs, strict=True)
     }
     cache.destroy()
@@ -196,8 +181,8 @@ def vocab_check(world: int, device: torch.device) -> dict:
     split.backward()
     errors = {
         "loss": float((split.detach().float() - whole.detach().float()).abs() / whole.detach().float().abs()),
-        "dhidden": _rel(h2.grad, h1.grad),
-        "dweight": _rel(w2.grad.full_tensor(), w1.grad),  # collective over the TP group
+        "dhidden": relative_error(h2.grad, h1.grad),
+        "dweight": relative_error(w2.grad.full_tensor(), w1.grad),  # collective over the TP group
     }
     rows = w2.grad.to_local().shape[0]  # half the vocabulary's rows on each rank
     worst = _worst(errors, device)
@@ -222,7 +207,7 @@ def training_check(name: str, world: int, device: torch.device, expected: dict |
         return {"check": name, "ok": True}
     ref = expected[precision(name, device)]
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
-    param_error = max(_rel(state[k], v) for k, v in ref["state"].items())
+    param_error = max(relative_error(state[k], v) for k, v in ref["state"].items())
     bound = 5e-2 if device.type == "cuda" else 1e-5  # bf16 on CUDA: other reduction orders than one process
     return {"check": name, "loss_error": loss_error, "param_error": param_error} | {
         "ok": loss_error <= bound and param_error <= bound

@@ -31,7 +31,7 @@ def test_emulated_ring_matches_reference_on_cpu(ring: int, causal: bool) -> None
     cu = [0, *itertools.accumulate(lengths)]
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(cu[-1], h, 16, generator=g) for h in (4, 2, 2, 4))
-    ref_out, ref_grads = gpu_check._reference(q, k, v, dout, cu, causal)
+    ref_out, ref_grads = gpu_check.reference_attention(q, k, v, dout, cu, causal)
     got = gpu_check.emulate(q, k, v, dout, cu, ring, causal, select_kernel(torch.device("cpu"), "cpu"))
     for a, b in zip(got, [ref_out, *ref_grads], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
