@@ -82,8 +82,7 @@ class PoolRuntime(HydraRuntime):
         every stage's pool can use, and each stage's pool group; a second call creates none. Returns how many CP
         communicators were created."""
         local = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
-        offsets = [s * self.layout.pool for s in range(self.layout.stages)]
-        made = self.cache.create(tuple(o + r for r in block) for o in offsets for block in local)
+        made = self.cache.create(copy for block in local for copy in self.copies(block))
         if made:
             self.cache.warm_up(self.world_rank, self.device)
         if self.layout.stages > 1 and self.stage_group is None:
@@ -92,6 +91,11 @@ class PoolRuntime(HydraRuntime):
                 if s == self.stage:
                     self.stage_group = pg
         return made
+
+    def copies(self, positions: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """A plan's group of pool positions as global ranks in every stage (every stage plans the same batch), in one
+        global order: the communicators every rank creates for it."""
+        return [tuple(s * self.layout.pool + p for p in positions) for s in range(self.layout.stages)]
 
     def to_global(self, record: Group) -> Group:
         """A plan's group (pool positions) as global ranks of this stage."""
@@ -142,10 +146,7 @@ class PoolRuntime(HydraRuntime):
         if world != self.world_size:
             raise RuntimeError(f"the batch was planned for {world} ranks, but the pool has {self.world_size}")
         check_digests(batch.digest, self.layout.world_size, device=self.device)  # every stage: the same plan
-        offsets = [s * self.layout.pool for s in range(self.layout.stages)]
-        made = self.cache.prepare(
-            Group(tuple(o + r for r in g.ranks), g.ulysses, g.ring) for o in offsets for g in batch.groups
-        )
+        made = self.cache.prepare(Group(copy, g.ulysses, g.ring) for g in batch.groups for copy in self.copies(g.ranks))
         if made:
             log.warning("HydraStrategy created %d communicators inside a step (a plan used an unaligned block)", made)
             self.cache.warm_up(self.world_rank, self.device)

@@ -17,9 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_hydra.cp.groups import aligned_blocks
 from lightning_hydra.planner import CostModel, Group
-from lightning_hydra.strategy.checks import check_digests
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.runtime import GradientSync
@@ -122,14 +120,14 @@ class TensorPoolRuntime(PoolRuntime):
         base = stage * self.positions.pool
         return tuple((base + p) * self.tensor + tensor_rank for p in positions)
 
-    def _copies(self, positions: tuple[int, ...]) -> list[tuple[int, ...]]:
+    def copies(self, positions: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Global ranks of a group of positions in every stage and TP index, in one global order."""
         return [self._ranks(positions, s, t) for s in range(self.positions.stages) for t in range(self.tensor)]
 
     def setup(self) -> int:
-        """Create the device mesh (its ``"pool"`` dimension is the gradient sum's group), then every TP index's copy
-        of every aligned Ulysses block's communicator; a second call creates none. Returns the CP communicators
-        created."""
+        """Create the device mesh (its ``"pool"`` dimension is the gradient sum's group) and, with stages, each TP
+        index's group over every stage; then, as the pool does, every TP index's copy of every aligned Ulysses
+        block's communicator; a second call creates none. Returns the CP communicators created."""
         if self.mesh is None:
             self.mesh = tensor_mesh(
                 self.device.type, stages=self.positions.stages, pool=self.positions.pool, tensor=self.tensor
@@ -141,29 +139,13 @@ class TensorPoolRuntime(PoolRuntime):
                     pg = dist.new_group(list(range(t, self.world, self.tensor)))
                     if t == self.tensor_rank:
                         self.tensor_equal_group = pg
-        local = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
-        made = self.cache.create(copy for block in local for copy in self._copies(block))
-        if made:
-            self.cache.warm_up(self.world_rank, self.device)
-        return made
+        return super().setup()
 
     def to_global(self, record: Group) -> Group:
         """A plan's group (pool positions) as global ranks of this stage and TP index."""
         return Group(
             self._ranks(record.ranks, self.stage, self.tensor_rank), record.ulysses, record.ring, record.seq_ids
         )
-
-    def begin_step(self, batch: Any) -> None:
-        """Check the plan digest on every rank of the world, then make sure every copy of its groups exists."""
-        planned = getattr(batch, "world_size", self.world_size)
-        if planned != self.world_size:
-            raise RuntimeError(f"the batch was planned for {planned} ranks, but the pool has {self.world_size}")
-        check_digests(batch.digest, self.world, device=self.device)
-        made = self.cache.prepare(
-            Group(copy, g.ulysses, g.ring) for g in batch.groups for copy in self._copies(g.ranks)
-        )
-        if made:
-            self.cache.warm_up(self.world_rank, self.device)
 
     def gradient_sync(self, module: nn.Module) -> GradientSync:
         """FSDP's reduce-scatter over the pool for a sharded model; otherwise the sum of local gradient shards over
