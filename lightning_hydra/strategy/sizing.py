@@ -62,8 +62,9 @@ def check_sizing(
         )
     need = 1  # tokens per rank that the longest sequence of every split needs
     for split, length in longest.items():
-        need = max(need, min_capacity(length, rules))
-        if rules.memory_min(length, cap, fine=True) is None:
+        fewest = min_capacity(length, rules)
+        need = max(need, fewest)
+        if fewest > cap:  # no allowed degree's shard fits the capacity
             problems.append(
                 f"the {split} data holds a sequence of {length} tokens, more than the pool can hold ({world_size} "
                 f"ranks x {cap} tokens)"
