@@ -40,7 +40,7 @@ def _check_ring(kernel, lengths, ring, causal, heads=8, kv_heads=2, dtype=torch.
     cu = [0, *itertools.accumulate(lengths)]
     g = torch.Generator().manual_seed(ring)
     q, k, v, dout = (torch.randn(cu[-1], h, 16, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads, heads))
-    ref_out, ref_grads = gpu_check._reference(q, k, v, dout, cu, causal)
+    ref_out, ref_grads = gpu_check.reference_attention(q, k, v, dout, cu, causal)
     got = gpu_check.emulate(q, k, v, dout, cu, ring, causal, kernel)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref_out, *ref_grads], strict=True):
         err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
