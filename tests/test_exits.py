@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_hydra.strategy.exits import RankWatch, exit_reason
+from lightning_hydra.strategy.exits import LauncherWatch, RankWatch, exit_reason
 from tests.test_signals import ROOT, _alive, _recipe
 
 
@@ -56,9 +56,9 @@ def test_the_watch_names_the_dead_child_once_and_ends_the_others() -> None:
                 child.kill()
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
-@pytest.mark.timeout(600)
-def test_a_rank_killed_by_sigkill_is_named_in_one_line(tmp_path) -> None:
+def _kill_a_rank_while_training(tmp_path: Path, local_rank: int) -> tuple[int, float, str, int]:
+    """Start the CPU demo (4 ranks), kill -9 ``local_rank`` (0: the launching process) after the second step; return
+    its pid, the seconds until no process of the run runs (60 at most), the run's stderr and the launcher's status."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "lightning_hydra", "fit", "--config", str(_recipe(tmp_path))]
     records = tmp_path / "sigterm" / "version_0" / "hydra_steps.jsonl"
@@ -70,13 +70,13 @@ def test_a_rank_killed_by_sigkill_is_named_in_one_line(tmp_path) -> None:
                 assert main.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
                 assert time.monotonic() < deadline, "the run did not reach its second step"
                 time.sleep(0.5)
-            ranks = {}
+            victim = main.pid
             for pid in _alive(main.pid):
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"LOCAL_RANK=1" in environ and b"lightning_hydra.planner.worker" not in command:
-                    ranks[1] = pid
-            victim = ranks[1]
+                rank = local_rank and f"LOCAL_RANK={local_rank}".encode() in environ
+                if rank and b"lightning_hydra.planner.worker" not in command:
+                    victim = pid
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
             while (_alive(main.pid) or main.poll() is None) and time.monotonic() - killed < 60:
@@ -86,14 +86,46 @@ def test_a_rank_killed_by_sigkill_is_named_in_one_line(tmp_path) -> None:
             for pid in _alive(main.pid):
                 os.kill(pid, signal.SIGKILL)
             main.wait(timeout=30)
-    stderr = (tmp_path / "err.txt").read_text()
+    return victim, took, (tmp_path / "err.txt").read_text(), main.returncode
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.timeout(600)
+def test_a_rank_killed_by_sigkill_is_named_in_one_line(tmp_path) -> None:
+    victim, took, stderr, status = _kill_a_rank_while_training(tmp_path, local_rank=1)
     said = [line for line in stderr.splitlines() if line.startswith("lightning-hydra:")]
     assert len(said) == 1, stderr[-3000:]
     pattern = rf"lightning-hydra: stopped: rank 1 \(pid {victim}\) was killed by signal 9 \(SIGKILL\) during step \d+"
     assert re.fullmatch(pattern, said[0]), said
     assert "Traceback" not in stderr
     assert took < 30, f"ranks still running {took:.0f} s after the kill"
-    assert main.returncode != 0
+    assert status != 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.timeout(600)
+def test_a_killed_launching_process_is_named_by_its_ranks_and_they_end(tmp_path) -> None:
+    victim, took, stderr, status = _kill_a_rank_while_training(tmp_path, local_rank=0)
+    said = [line for line in stderr.splitlines() if line.startswith("lightning-hydra:")]
+    assert len(said) == 1, stderr[-3000:]
+    pattern = (
+        r"lightning-hydra: stopped: "
+        rf"rank 0 \(pid {victim}\), which launched this node's ranks, ended during step \d+"
+    )
+    assert re.fullmatch(pattern, said[0]), said
+    assert "Traceback" not in stderr
+    assert took < 30, f"ranks still running {took:.0f} s after the kill"
+    assert status == -signal.SIGKILL
+
+
+def test_the_launcher_watch_sees_its_parent_go() -> None:
+    """A rank's watch on the process that started it: alive while that is its parent, gone otherwise; the line is
+    dated by the trainer."""
+    assert not LauncherWatch(os.getppid(), launcher_rank=0, local_rank=1).gone()
+    stranger = LauncherWatch(os.getppid() + 1, launcher_rank=4, local_rank=2)  # not this process's parent
+    assert stranger.gone()
+    stranger.trainer = SimpleNamespace(state=SimpleNamespace(stage=SimpleNamespace(value="train")), global_step=2)
+    assert stranger.line() == f"rank 4 (pid {os.getppid() + 1}), which launched this node's ranks, ended during step 3"
 
 
 def test_a_spawned_rank_that_died_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

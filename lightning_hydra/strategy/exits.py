@@ -12,6 +12,14 @@ polls every 5), and when one has ended badly it says so before ending the others
 SIGKILL (SIGTERM does not end a process blocked in a collective). The launching process's own failure, if the cause
 is a rank that went away, becomes :class:`~lightning_hydra.errors.RankDiedError` naming that rank (see
 :class:`~lightning_hydra.strategy.prelaunch.CheckedSubprocessLauncher`).
+
+The launching process is itself a rank (local rank 0), and nobody holds *its* exit status: when it is killed, its
+children are re-parented and would only meet a closed connection (gloo) or wait out the collective timeout (NCCL).
+Each child therefore runs a :class:`LauncherWatch` on the process that started it (its pid travels in
+:data:`LAUNCHER_PID_ENV`): when that process is gone, local rank 1 names it in one line
+(``rank 0 (pid 4242), which launched this node's ranks, ended during step 3``) and every child ends itself. A
+child's own error raised because the launching process went away is replaced by that line (the child waits up to
+:data:`GRACE_SECONDS` for the watch to see it).
 """
 
 from __future__ import annotations
@@ -27,13 +35,28 @@ from typing import Any
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from typing_extensions import override
 
-__all__ = ["GRACE_SECONDS", "POLL_SECONDS", "RankWatch", "exit_reason"]
+__all__ = ["GRACE_SECONDS", "LAUNCHER_PID_ENV", "POLL_SECONDS", "LauncherWatch", "RankWatch", "exit_reason"]
+
+LAUNCHER_PID_ENV = "LIGHTNING_HYDRA_LAUNCHER_PID"
+"""Environment variable through which the ranks a launching process starts learn its pid."""
 
 POLL_SECONDS = 1.0
 """How often :class:`RankWatch` looks at the ranks' exit statuses."""
 GRACE_SECONDS = 5.0
 """After a rank exited with its own Python error, how long the launching process has to report its own failure
 before the watch ends it (Lightning's observer waited as long, polling every 5 s)."""
+
+
+def _when(trainer: Any) -> str:
+    """`` during step N`` (or set-up, or another stage) from ``trainer``'s progress; empty without a trainer."""
+    if trainer is None:
+        return ""
+    stage = getattr(trainer.state, "stage", None)
+    if stage is None:
+        return " during set-up"
+    if stage.value == "train":
+        return f" during step {trainer.global_step + 1}"
+    return f" during {stage.value} (after step {trainer.global_step})"
 
 
 def exit_reason(returncode: int | None) -> str | None:
@@ -70,17 +93,6 @@ class RankWatch(_ChildProcessObserver):
         self._said = False
         self._stopped = False
 
-    def _when(self) -> str:
-        trainer = self.trainer
-        if trainer is None:
-            return ""
-        stage = getattr(trainer.state, "stage", None)
-        if stage is None:
-            return " during set-up"
-        if stage.value == "train":
-            return f" during step {trainer.global_step + 1}"
-        return f" during {stage.value} (after step {trainer.global_step})"
-
     def death(self, wait: float = 0.0, *, stop: bool = False) -> str | None:
         """The line naming the first rank that ended without a Python error, waiting up to ``wait`` seconds for
         one; ``None`` if there is none or it was named already (it is named once). ``stop``: the caller reports it
@@ -96,7 +108,7 @@ class RankWatch(_ChildProcessObserver):
                         return None
                     self._said = True
                     self._stopped = self._stopped or stop
-                return f"rank {self.first_rank + i} (pid {proc.pid}) {reason}{self._when()}"
+                return f"rank {self.first_rank + i} (pid {proc.pid}) {reason}{_when(self.trainer)}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -131,3 +143,55 @@ class RankWatch(_ChildProcessObserver):
                 return True
         self._terminate_all()  # as Lightning's observer: the other ranks and this process, with SIGKILL
         return True
+
+
+class LauncherWatch(threading.Thread):
+    """Runs in a rank started by a launching process (a child of Lightning's script launcher) and ends this rank
+    when the launching process is gone (see the module documentation)."""
+
+    def __init__(self, launcher_pid: int, *, launcher_rank: int, local_rank: int, trainer: Any = None) -> None:
+        """Build the watch (``start()`` it).
+
+        Args:
+            launcher_pid: Pid of the process that started this rank.
+            launcher_rank: Global rank of that process (its node's local rank 0).
+            local_rank: This rank's local rank; local rank 1 says the line, the others end quietly.
+            trainer: The trainer, whose progress dates the line (``None``: undated).
+        """
+        super().__init__(daemon=True, name="lightning-hydra-launcher-watch")
+        self.launcher_pid = launcher_pid
+        self.launcher_rank = launcher_rank
+        self.local_rank = local_rank
+        self.trainer = trainer
+        self._gone = threading.Event()
+        self._ending = threading.Lock()
+
+    def gone(self, wait: float = 0.0) -> bool:
+        """Whether the launching process is gone, waiting up to ``wait`` seconds for the watch to see it."""
+        return self._gone.wait(wait) if wait > 0 else self._gone.is_set() or not self._alive()
+
+    def _alive(self) -> bool:
+        return os.getppid() == self.launcher_pid  # a child whose parent ended is re-parented
+
+    def line(self) -> str:
+        """The line that names the launching process."""
+        return (
+            f"rank {self.launcher_rank} (pid {self.launcher_pid}), which launched this node's ranks, ended"
+            f"{_when(self.trainer)}"
+        )
+
+    def end(self) -> None:
+        """Say the line (local rank 1 only) and end this rank at once (a rank blocked in a collective cannot be
+        ended more gently); a second caller waits for the first's exit."""
+        self._ending.acquire()  # never released: this process ends here
+        if self.local_rank == 1:
+            sys.stderr.write(f"lightning-hydra: stopped: {self.line()}\n")
+            sys.stderr.flush()
+        os._exit(1)
+
+    @override
+    def run(self) -> None:
+        while self._alive():
+            time.sleep(POLL_SECONDS)
+        self._gone.set()
+        self.end()

@@ -40,7 +40,7 @@ from lightning_hydra._environ import LaunchEnvironment
 from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
 from lightning_hydra.errors import ConfigError, RankDiedError
 from lightning_hydra.strategy.checks import check_heads, check_pool
-from lightning_hydra.strategy.exits import RankWatch, exit_reason
+from lightning_hydra.strategy.exits import LAUNCHER_PID_ENV, LauncherWatch, RankWatch, exit_reason
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
 from lightning_hydra.strategy.sizing import check_sizing
@@ -166,15 +166,28 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
         # Lightning's launch, with a watch that names a rank that died (see lightning_hydra.strategy.exits)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         watch = None
+        launcher = None
         if not self.cluster_environment.creates_processes_externally:
+            os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the children's watch on this process
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
             watch = RankWatch(self.procs, first_rank=first, trainer=trainer)
             watch.start()
+        elif os.environ.get(LAUNCHER_PID_ENV) and self.cluster_environment.local_rank() > 0:
+            launcher = LauncherWatch(
+                int(os.environ[LAUNCHER_PID_ENV]),
+                launcher_rank=self.cluster_environment.node_rank() * self.num_processes,
+                local_rank=self.cluster_environment.local_rank(),
+                trainer=trainer,
+            )
+            launcher.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except Exception as exc:
+            wait = 0.0 if isinstance(exc, ValueError | TypeError) else DEATH_WAIT_S
+            if launcher is not None and launcher.gone(wait):  # caused by the launching process's end
+                launcher.end()
             if watch is None:
                 raise
             # a rank that went away shows here as a closed connection: wait a little for its exit status
