@@ -50,6 +50,14 @@ def test_sequence_longer_than_the_pool() -> None:
         strategy.check_fits(10, "train", global_batch_tokens=801)
 
 
+def test_the_fit_check_counts_one_stage_s_pool() -> None:
+    """With pipeline stages a sequence spreads over one stage's pool (world / stages), not the world."""
+    strategy = _strategy_for(4, max_tokens_per_rank=100, ranks_per_node=4, num_microbatches=2, pipeline_stages=2)
+    strategy.check_fits(200, "train", global_batch_tokens=400)  # fits at degree 2
+    with pytest.raises(ValueError, match="more than the pool can hold"):
+        strategy.check_fits(201, "train", global_batch_tokens=400)
+
+
 def test_truncation_is_explicit() -> None:
     data = [torch.arange(50), torch.arange(5)]
     assert DatasetSource(data, "train", max_seq_len=20, truncate=True).lengths.tolist() == [20, 5]

@@ -565,7 +565,7 @@ class HydraStrategy(ParallelStrategy):
         heads = model_heads(self.lightning_module)[0]
         check_fits(
             self.planner_config,
-            self.world_size // self.tensor_parallel,
+            max(self.world_size // (self.pipeline_stages * self.tensor_parallel), 1),  # the pool: one stage's
             None if heads is None else heads // self.tensor_parallel,
             longest=longest,
             split=split,
