@@ -120,7 +120,9 @@ def hydra_attn_func(
         group: The CP group (from :meth:`GroupCache.get`); the calling rank must be a member.
         causal: Causal attention within each sequence.
         softmax_scale: Scale of the scores (default ``D ** -0.5``).
-        kernel: One of :data:`~lightning_hydra.cp.kernels.KERNEL_NAMES` or a kernel object.
+        kernel: One of :data:`~lightning_hydra.cp.kernels.KERNEL_NAMES` or a kernel object. A name is resolved on
+            every call (on CUDA with grouped KV heads, torch's kernel then probes the op once per call): in a loop,
+            pass ``select_kernel(device, name)`` once, as :class:`~lightning_hydra.cp.context.CPContext` does.
 
     Returns:
         ``[t, H, D]``: this rank's shard of the output.
