@@ -102,7 +102,7 @@ def test_compare_runs_each_policy_and_renders_one_dashboard(tmp_path, capfd):
     printed = captured.out
     assert_readable(captured.out + captured.err)
     assert "run 1/2, policy static" in printed and "run 2/2, policy hydra" in printed  # progress
-    assert "PP bubble minimum: the same bubble if every microbatch took equally long" in printed  # the legend
+    assert "PP bubble minimum: the fill and drain idle time of the step's own microbatch times" in printed  # legend
     assert re.search(r"^static +\| +1 \|", printed, re.M) and re.search(r"^hydra +\| +1 \|", printed, re.M)
     page = out / "dashboard" / "index.html"
     assert page.exists()

@@ -157,10 +157,6 @@ def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool =
     out = {
         "balance/max_over_mean": balance(record.busy),
         "bubble/dp": bubble_dp(record.busy, step_time),
-        "bubble/pp": pipeline_bubble(working, pipeline_stages) if working else float("nan"),
-        "bubble/pp_min": (
-            pipeline_bubble_floor(*stage_split(working, pipeline_stages), pipeline_stages) if working else float("nan")
-        ),
         "schedule/ms": record.schedule_ms,
         "cost_model/error": relative_error(record.predicted, record.busy),
         "cp/comm_ms": 1e3 * float(record.comm.sum(axis=0).mean()),
@@ -169,12 +165,17 @@ def step_metrics(record: StepRecord, *, pipeline_stages: int = 4, replay: bool =
         "time/busy_s": float(record.busy.sum(axis=0).mean()),
         "plan/microbatches": float(record.num_microbatches),
     }
-    if record.stages > 1:
+    if record.stages > 1:  # measured
         stages = record.stages
         out["bubble/pp"] = measured_pipeline_bubble(record, replay=replay)
         out["bubble/pp_projected"] = projected_pipeline_bubble(record)
         out["bubble/pp_min"] = pipeline_bubble_floor(record.forward, record.backward, stages)
         out["plan/pipeline_stages"] = float(stages)
+    elif working:  # projected for a pipeline of depth pipeline_stages
+        out["bubble/pp"] = pipeline_bubble(working, pipeline_stages)
+        out["bubble/pp_min"] = pipeline_bubble_floor(*stage_split(working, pipeline_stages), pipeline_stages)
+    else:
+        out["bubble/pp"] = out["bubble/pp_min"] = float("nan")
     for d, count in degree_histogram(record).items():
         out[f"cp/degree_hist/{d}"] = float(count)
     return out

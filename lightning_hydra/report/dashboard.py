@@ -19,7 +19,7 @@ __all__ = ["find_runs", "load_run", "render_report", "summary_table"]
 _SUMMARY = (
     ("balance/max_over_mean", "balance max/mean", "{:.3f}"),
     ("bubble/dp", "DP bubble", "{:.1%}"),
-    ("bubble/pp", "PP bubble (proj.)", "{:.1%}"),
+    ("bubble/pp", "PP bubble", "{:.1%}"),
     ("bubble/pp_min", "PP bubble minimum", "{:.1%}"),
     ("throughput/tokens_per_s", "tokens/s", "{:,.0f}"),
     ("schedule/ms", "schedule ms", "{:.1f}"),
@@ -47,10 +47,14 @@ SUMMARY_LEGEND = (
     ("balance max/mean", "the busiest rank's busy time over the mean (1.0 is perfect)"),
     ("DP bubble", "share of rank-time spent waiting in a step"),
     (
-        "PP bubble (proj.)",
-        "the 1F1B bubble a pipeline of the configured depth P would have with these microbatch times",
+        "PP bubble",
+        "a pipelined run's measured 1F1B bubble; without stages, the bubble a pipeline of depth P (4 by default) "
+        "would have with these microbatch times",
     ),
-    ("PP bubble minimum", "the same bubble if every microbatch took equally long: (P-1)/(M+P-1) for M microbatches"),
+    (
+        "PP bubble minimum",
+        "the fill and drain idle time of the step's own microbatch times: a bound no 1F1B order goes below",
+    ),
     ("tokens/s", "trained tokens per wall second"),
     ("schedule ms", "wall time of planning one global batch (in the data loader, ahead of the step)"),
     ("cost-model error", "relative error of the planner's predicted microbatch times"),
