@@ -14,6 +14,7 @@ if TYPE_CHECKING:
         pipeline_bubble,
         pipeline_bubble_floor,
         pipeline_makespan,
+        replay_1f1b,
     )
     from lightning_hydra.metrics.loads import balance, bubble_dp, degree_histogram, replay_step_time, step_metrics
     from lightning_hydra.metrics.monitor import BubbleMonitor
@@ -34,6 +35,7 @@ __all__ = [
     "pipeline_bubble",
     "pipeline_bubble_floor",
     "pipeline_makespan",
+    "replay_1f1b",
     "replay_step_time",
     "step_metrics",
 ]
@@ -54,6 +56,7 @@ __getattr__, __dir__ = lazy_exports(
         "pipeline_bubble": "lightning_hydra.metrics.bubbles",
         "pipeline_bubble_floor": "lightning_hydra.metrics.bubbles",
         "pipeline_makespan": "lightning_hydra.metrics.bubbles",
+        "replay_1f1b": "lightning_hydra.metrics.bubbles",
         "replay_step_time": "lightning_hydra.metrics.loads",
         "step_metrics": "lightning_hydra.metrics.loads",
     },

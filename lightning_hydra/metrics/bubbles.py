@@ -28,6 +28,7 @@ __all__ = [
     "pipeline_bubble",
     "pipeline_bubble_floor",
     "pipeline_makespan",
+    "replay_1f1b",
     "stage_split",
 ]
 
@@ -132,37 +133,64 @@ def pipeline_makespan(times: Iterable[float], stages: int, backward_ratio: float
     (each stage runs ``times[m] / stages``); see :func:`pipeline_bubble` for the arguments."""
     stages = check_int("stages", stages, high=1 << 16)
     check_number("backward_ratio", backward_ratio, low=0.0, low_open=True)
-    times = _times(times)
-    m_count = len(times)
-    fwd = [t / stages / (1 + backward_ratio) for t in times]
-    bwd = [t / stages * backward_ratio / (1 + backward_ratio) for t in times]
+    return replay_1f1b(*stage_split(times, stages, backward_ratio), stages)
+
+
+def replay_1f1b(forward: np.ndarray, backward: np.ndarray, stages: int, leader: np.ndarray | None = None) -> float:
+    """Makespan of a 1F1B step replayed from its forward and backward times, every rank on a core of its own.
+
+    An operation starts when its rank is free, its input has arrived (the forward of the same microbatch on the
+    previous stage, or the backward on the next stage, at the same pool position) and every member of its CP group
+    is ready (their collectives synchronise them). A rank idle in a microbatch (no forward or backward time) does
+    nothing for it.
+
+    Args:
+        forward: ``[M, N]`` forward seconds of microbatch ``m`` on rank ``n`` (ranks stage-major, as
+            :func:`pipeline_bubble_floor` takes them).
+        backward: ``[M, N]`` backward seconds.
+        stages: Pipeline stages ``P`` (dividing ``N``).
+        leader: ``[M, N]`` the CP group of each rank in each microbatch, by its leader (``None``: every rank alone).
+    """
+    fwd, bwd = np.asarray(forward, dtype=np.float64).tolist(), np.asarray(backward, dtype=np.float64).tolist()
+    m_count, n = len(fwd), len(fwd[0]) if fwd else 0
+    pool = n // stages
+    leads = np.asarray(leader).tolist() if leader is not None else [list(range(n))] * m_count
+    free = [0.0] * n
+    done: dict[tuple[str, int], list[float]] = {}  # (kind, microbatch) -> end on every rank (-1: not yet)
     orders = [one_f_one_b_order(s, stages, m_count) for s in range(stages)]
-    done: dict[tuple[str, int, int], float] = {}
     cursor = [0] * stages
-    free = [0.0] * stages
-    remaining = stages * 2 * m_count
+    remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for s in range(stages):
             if cursor[s] == len(orders[s]):
                 continue
             kind, m = orders[s][cursor[s]]
-            dep = ("F", s - 1, m) if kind == "F" else ("B", s + 1, m)
-            first = (kind == "F" and s == 0) or (kind == "B" and s == stages - 1)
-            if not first and dep not in done:
+            ranks = range(s * pool, (s + 1) * pool)
+            neighbour = s - 1 if kind == "F" else s + 1  # the stage the input comes from
+            shift = (neighbour - s) * pool
+            ends = done.setdefault((kind, m), [-1.0] * n)
+            has_dep = 0 <= neighbour < stages
+            if has_dep and min(ends[r + shift] for r in ranks) < 0:  # not done yet
                 continue
-            if kind == "B" and ("F", s, m) not in done:
-                continue
-            ready = 0.0 if first else done[dep]
+            ready = [max(free[r], ends[r + shift]) if has_dep else free[r] for r in ranks]
             if kind == "B":
-                ready = max(ready, done[("F", s, m)])
-            start = max(free[s], ready)
-            end = start + (fwd[m] if kind == "F" else bwd[m])
-            done[(kind, s, m)] = end
-            free[s] = end
+                own = done[("F", m)]
+                ready = [max(t, own[r]) for t, r in zip(ready, ranks, strict=True)]
+            lead, dur = leads[m], (fwd[m] if kind == "F" else bwd[m])
+            active = [fwd[m][r] + bwd[m][r] > 0 for r in ranks]
+            group: dict[int, float] = {}  # a CP group starts when its last member is ready
+            for t, r, a in zip(ready, ranks, active, strict=True):
+                if a:
+                    group[lead[r]] = max(group.get(lead[r], 0.0), t)
+            for t, r, a in zip(ready, ranks, active, strict=True):
+                if a:
+                    ends[r] = free[r] = group[lead[r]] + dur[r]
+                else:
+                    ends[r] = t
             cursor[s] += 1
             remaining -= 1
             progressed = True
         if not progressed:  # cannot happen for a valid 1F1B order; guard against an infinite loop
-            raise RuntimeError("1F1B schedule deadlocked")
-    return max(free)
+            raise RuntimeError("1F1B replay deadlocked")
+    return max(free, default=0.0)

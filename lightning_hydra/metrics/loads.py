@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightning_hydra.metrics.bubbles import one_f_one_b_order, pipeline_bubble, pipeline_bubble_floor, stage_split
+from lightning_hydra.metrics.bubbles import pipeline_bubble, pipeline_bubble_floor, replay_1f1b, stage_split
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.planner.calibration import relative_error
 
@@ -69,55 +69,11 @@ def degree_histogram(record: StepRecord) -> dict[int, int]:
 
 
 def pipeline_replay(record: StepRecord) -> float:
-    """Makespan of a pipelined step if every rank had a core of its own: replay each rank's measured forward and
-    backward busy times in the 1F1B order of its stage.
-
-    An operation starts when its rank is free, its input has arrived (the forward of the same microbatch on the
-    previous stage, or the backward on the next stage, at the same pool position) and every member of its CP group
-    is ready (their collectives synchronise them). A rank idle in a microbatch does nothing for it.
-    """
+    """Makespan of a pipelined step if every rank had a core of its own: each rank's measured forward and backward
+    busy times replayed in the 1F1B order of its stage, CP groups synchronised
+    (:func:`~lightning_hydra.metrics.bubbles.replay_1f1b`)."""
     assert record.forward is not None and record.backward is not None and record.stage is not None
-    stages, m_count, n = record.stages, record.num_microbatches, record.world_size
-    pool = n // stages
-    free = np.zeros(n)
-    done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, rank) -> end
-    orders = [one_f_one_b_order(s, stages, m_count) for s in range(stages)]
-    cursor = [0] * stages
-    durations = {"F": record.forward, "B": record.backward}
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            if cursor[s] == len(orders[s]):
-                continue
-            kind, m = orders[s][cursor[s]]
-            ranks = np.arange(s * pool, (s + 1) * pool)
-            neighbour = s - 1 if kind == "F" else s + 1
-            has_dep = 0 <= neighbour < stages
-            if has_dep and any((kind, m, r + (neighbour - s) * pool) not in done for r in ranks):
-                continue
-            ready = free[ranks].copy()
-            if has_dep:
-                ready = np.maximum(ready, [done[(kind, m, r + (neighbour - s) * pool)] for r in ranks])
-            if kind == "B":
-                ready = np.maximum(ready, [done[("F", m, r)] for r in ranks])
-            dur = durations[kind][m, ranks]
-            work = (record.forward[m, ranks] + record.backward[m, ranks]) > 0
-            start = ready.copy()
-            leaders = record.leader[m, ranks]
-            for lead in np.unique(leaders[work]):
-                members = work & (leaders == lead)
-                start[members] = ready[members].max()
-            end = np.where(work, start + dur, ready)
-            for r, e in zip(ranks.tolist(), end.tolist(), strict=True):
-                done[(kind, m, r)] = e
-            free[ranks] = np.where(work, end, free[ranks])
-            cursor[s] += 1
-            remaining -= 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline replay deadlocked: the record is not a 1F1B schedule")
-    return float(free.max()) if free.size else 0.0
+    return replay_1f1b(record.forward, record.backward, record.stages, record.leader)
 
 
 def measured_pipeline_bubble(record: StepRecord, *, replay: bool) -> float:
