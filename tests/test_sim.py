@@ -11,6 +11,7 @@ from lightning_hydra.cli import RECIPES
 from lightning_hydra.cli import main as cli_main
 from lightning_hydra.planner import CostModel, Group, Plan
 from lightning_hydra.sim import Hardware, Job, ModelShape, Scenario, bin_time, load_scenario, plan_times, step_result
+from lightning_hydra.sim.truth import TP_COLLECTIVES, plan_tp_times, tp_collective_bytes, tp_collective_time
 
 MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=100)
 PLAIN = Hardware(
@@ -218,4 +219,69 @@ def test_the_starting_model_gives_a_tensor_parallel_rank_the_links_of_its_device
         - bin_time(lengths, 1, 4, model=MODEL, hardware=exposed, layers=2, tp=tp, include_comm=False)
         for tp in (1, 8)
     ]
-    assert comm[0] > 0 and comm[1] == pytest.approx(comm[0] / 8)
+    # TP's own collectives of the rank's 7,500 tokens (bandwidth time, which include_comm=False leaves out) come on
+    # top of the CP share
+    tp_wire = tp_collective_time(7500.0, model=MODEL, hardware=exposed, layers=2, tp=8) - tp_collective_time(
+        7500.0, model=MODEL, hardware=exposed, layers=2, tp=8, include_comm=False
+    )
+    assert comm[0] > 0 and comm[1] - tp_wire == pytest.approx(comm[0] / 8)
+
+
+def test_truth_times_tensor_parallel_collectives():
+    """TP's own collectives: nothing at TP 1 or without tokens; per call a latency plus the bytes each device sends
+    over its intra-node link at a size-dependent rate; with sequence parallelism 8 calls of half an all-reduce's
+    bytes per block against 7 all-reduces (a reduce-scatter plus an all-gather send what one all-reduce sends)."""
+    hw = PLAIN.replace(tp_latency=1e-5, tp_half_bytes=0.0)
+    args = {"model": MODEL, "hardware": hw, "layers": 2}
+    tokens = np.array([0.0, 1000.0, 2000.0])
+    assert not tp_collective_time(tokens, **args, tp=1).any()
+    assert tp_collective_bytes(tokens, model=MODEL, tp=1, sequence_parallel=True)[0] == 0
+    for sp in (True, False):
+        t = tp_collective_time(tokens, **args, tp=4, sequence_parallel=sp)
+        calls, sent = tp_collective_bytes(tokens, model=MODEL, tp=4, sequence_parallel=sp)
+        assert calls == TP_COLLECTIVES[sp][0] == (8 if sp else 7)
+        assert t[0] == 0 and 0 < t[1] < t[2]  # grows with the tokens
+        # hand-worked: layers x calls x (latency + bytes / bandwidth), bytes = share x (T-1)/T x tokens x hidden x 2
+        share = 1 if sp else 2
+        assert sent[1] == pytest.approx(share * 3 / 4 * 1000 * 64 * 2)
+        assert t[1] == pytest.approx(2 * calls * (1e-5 + sent[1] / 1e9))
+        # latency only where the timer leaves communication out
+        assert tp_collective_time(tokens, **args, tp=4, sequence_parallel=sp, include_comm=False)[1] == pytest.approx(
+            2 * calls * 1e-5
+        )
+    one_pair = 2 * tp_collective_bytes(1000.0, model=MODEL, tp=4, sequence_parallel=True)[1]
+    one_all_reduce = tp_collective_bytes(1000.0, model=MODEL, tp=4, sequence_parallel=False)[1]
+    assert one_pair == pytest.approx(one_all_reduce)  # reduce-scatter + all-gather = one all-reduce's traffic
+    assert pytest.approx(4 / 7) == (8 * 1) / (7 * 2)  # SP sends 4 all-reduces' worth per block, not 7
+    # small collectives run below the link's rate; larger groups send more of each tensor
+    slow = tp_collective_time(1000.0, **{**args, "hardware": hw.replace(tp_half_bytes=1e6)}, tp=4)
+    assert slow > tp_collective_time(1000.0, **args, tp=4)
+    assert tp_collective_time(1000.0, **args, tp=8) > tp_collective_time(1000.0, **args, tp=2)
+
+
+def test_plan_times_include_tensor_parallel_collectives():
+    """A plan's busy times at TP 2 hold the TP collectives of each group's tokens; the simulator reports their
+    share, with the job's sequence parallelism (on by default at TP > 1, off when the job says so)."""
+    hw = PLAIN.replace(tp_latency=1e-5)
+    groups = [
+        [Group(ranks=(0, 1), ulysses=2, ring=1, seq_ids=(0,)), Group(ranks=(2,), ulysses=1, ring=1, seq_ids=(1,))]
+    ]
+    plan = Plan(lengths=(400, 100), world_size=4, ranks_per_node=4, microbatches=groups)
+    timing = {"model": MODEL, "hardware": hw, "layers": 2, "tp": 2}
+    for sp in (True, False):
+        with_tp = plan_times(plan, **timing, sequence_parallel=sp)[0]
+        tp_part = plan_tp_times(plan, **timing, sequence_parallel=sp)
+        assert tp_part[0, 0] == pytest.approx(float(tp_collective_time(200.0, **timing, sequence_parallel=sp)))
+        assert tp_part[0, 3] == 0  # an idle rank
+        free = plan_times(plan, **{**timing, "hardware": hw.replace(tp_latency=0.0, intra_node_bandwidth=1e30)})[0]
+        assert with_tp[0, 2] - tp_part[0, 2] == pytest.approx(free[0, 2])
+    assert Job(gpus=16, tp=2, max_tokens_per_rank=100).sequence_parallel is True
+    assert Job(gpus=16, max_tokens_per_rank=100).sequence_parallel is False
+    scenario = Scenario(name="t", model=MODEL, hardware=hw, job=Job(gpus=8, tp=2, max_tokens_per_rank=512), steps=1)
+    from lightning_hydra.sim.simulate import scenario_batches, simulate_policy
+
+    batches = scenario_batches(scenario)
+    on = simulate_policy(scenario, "static", batches, calibrate=False)
+    scenario.job.sequence_parallel = False
+    off = simulate_policy(scenario, "static", batches, calibrate=False)
+    assert 0 < on["tp_comm_share"] < off["tp_comm_share"] < 1

@@ -43,6 +43,12 @@ class Hardware:
     """Seconds per all-to-all call."""
     p2p_latency: float = 0.0
     """Seconds per ring step's P2P exchange."""
+    tp_latency: float = 0.0
+    """Seconds per tensor-parallel collective call (an all-reduce, or with sequence parallelism an all-gather or a
+    reduce-scatter, inside a node), whatever its size."""
+    tp_half_bytes: float = 0.0
+    """Bytes one device sends in a tensor-parallel collective at which the collective reaches half of
+    ``intra_node_bandwidth`` (small collectives run below the link's rate; 0: every size at the full rate)."""
     layer_overhead: float = 0.0
     """Seconds per layer per microbatch, forward plus backward, independent of size (launches, framework)."""
     seq_overhead: float = 0.0
@@ -125,6 +131,8 @@ _H100 = Hardware(
     gpus_per_node=8,
     a2a_latency=15e-6,
     p2p_latency=10e-6,
+    tp_latency=15e-6,
+    tp_half_bytes=4e6,
     layer_overhead=100e-6,
     seq_overhead=5e-6,
     ring_step_overhead=20e-6,
@@ -140,6 +148,9 @@ _H100 = Hardware(
         "attn_half_len": "assumed",
         "a2a_latency": "assumed",
         "p2p_latency": "assumed",
+        "tp_latency": "assumed (not measured): an NCCL collective inside an NVLink node, launch plus ring start",
+        "tp_half_bytes": "assumed (not measured): NCCL's bus bandwidth inside a node nears its peak only for "
+        "collectives of several MB",
         "layer_overhead": "assumed (about 20 kernel launches per layer, forward plus backward)",
         "seq_overhead": "assumed",
         "ring_step_overhead": "assumed",

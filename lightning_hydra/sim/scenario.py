@@ -39,6 +39,14 @@ class Job:
     sequence parallel: Korthikanti et al. 2022)."""
     projected_stages: int = 4
     """Pipeline depth of the projected ``bubble_pp`` when the job has no pipeline (``pp == 1``)."""
+    sequence_parallel: bool | None = None
+    """Whether a TP group runs sequence parallelism (``HydraStrategy(sequence_parallel=...)``): TP's collectives are
+    all-gathers and reduce-scatters instead of all-reduces, timed by the truth and costed by the planner's starting
+    model; ``None``: on when ``tp > 1`` (the strategy's default). Unused at ``tp`` 1."""
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel is None:
+            self.sequence_parallel = self.tp > 1
 
     @property
     def pool(self) -> int:
@@ -169,6 +177,10 @@ def _check_ranges(scenario: Scenario, where: str) -> None:
                 if not number or (value <= 0 if low == "positive" else value < 0):
                     label = f"{section}.{name}" if section else name
                     raise ValueError(f"{where}: {label} must be a {low} number, got {value!r}")
+    if not isinstance(scenario.job.sequence_parallel, bool):
+        raise ValueError(
+            f"{where}: job.sequence_parallel must be true or false, got {scenario.job.sequence_parallel!r}"
+        )
     if not isinstance(scenario.calibrate, bool):
         raise ValueError(f"{where}: calibrate must be true or false, got {scenario.calibrate!r}")
     for name in ("steps", "seed"):

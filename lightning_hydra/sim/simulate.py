@@ -23,7 +23,7 @@ from lightning_hydra.metrics.loads import replay_step_time
 from lightning_hydra.planner import CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
 from lightning_hydra.sim.scenario import Scenario
-from lightning_hydra.sim.truth import plan_times
+from lightning_hydra.sim.truth import plan_times, plan_tp_times
 
 __all__ = ["COST_DRIVEN", "plan_features", "scenario_batches", "simulate", "simulate_policy", "step_result"]
 
@@ -102,16 +102,22 @@ def simulate_policy(
             lengths, world_size=job.pool, cost=cost, num_heads=heads, num_kv_heads=kv_heads, seed=scenario.seed + k
         )
         schedule_ms = 1e3 * (time.perf_counter() - start)
-        timing = {"model": model, "hardware": hw, "layers": layers, "tp": job.tp, "head_share": 1.0 / job.pp}
-        times, leader = plan_times(plan, **timing, include_comm=hw.timer_includes_comm, engine=scenario.engine)
+        timing = {"model": model, "hardware": hw, "layers": layers, "tp": job.tp}
+        timing["sequence_parallel"] = job.sequence_parallel
+        times, leader = plan_times(
+            plan, **timing, head_share=1.0 / job.pp, include_comm=hw.timer_includes_comm, engine=scenario.engine
+        )
+        tp_busy = plan_tp_times(plan, **timing, include_comm=hw.timer_includes_comm)
         comm = None
         if not hw.timer_includes_comm:  # a CPU host measures communication apart (wall time in CP collectives)
-            comm = plan_times(plan, **timing, include_comm=True, engine=scenario.engine)[0] - times
+            comm = plan_times(plan, **timing, head_share=1.0 / job.pp, include_comm=True, engine=scenario.engine)[0]
+            comm -= times
         result = step_result(scenario, times, leader, int(np.sum(lengths)))
         features = plan_features(plan, cost)
         predicted = predict(cost, features, includes_comm=hw.timer_includes_comm)
         result["cost_model_error"] = relative_error(predicted, times.ravel())
         result["schedule_ms"] = schedule_ms
+        result["tp_comm_share"] = float(tp_busy.sum() / times.sum()) if times.sum() > 0 else 0.0
         result["memory_headroom"] = 1.0 - (states + layers * act * float(plan.tokens().max())) / hw.memory_bytes
         result["microbatches"] = plan.num_microbatches
         steps.append(result)
@@ -141,6 +147,7 @@ def summarize(steps: list[dict[str, Any]], skip: int = 0) -> dict[str, float]:
         "schedule_ms": float(np.median([s["schedule_ms"] for s in use])),
         "step_s": float(np.median([s["step_s"] for s in use])),
         "memory_headroom": float(min(s["memory_headroom"] for s in use)),
+        "tp_comm_share": float(np.median([s["tp_comm_share"] for s in use])),
         "cost_model_error": float(np.median([s["cost_model_error"] for s in use])),
     }
 
