@@ -18,6 +18,30 @@ def test_for_transformer_coefficients_follow_flop_counts() -> None:
     assert float(cost.useful(1000)) == pytest.approx(cost.attn * 1e6 + cost.linear * 1e3)
 
 
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tensor_parallel_collectives_counted_with_and_without_sequence_parallelism(tp: int) -> None:
+    """Per block and token, TP's collectives send all-reduce equivalents of ``2 (T - 1) / T`` of ``hidden`` elements:
+    7 without sequence parallelism (forward o, down; backward q, k, v, gate, up), 4 with it (2 all-gathers and 2
+    reduce-scatters forward, the same backward: each pair one all-reduce's traffic); nothing at TP 1."""
+    hidden, layers, heads, kv, ffn, vocab, rate, bw = 256, 4, 8, 2, 1024, 1000, 1e12, 1e11
+    shape = (hidden, layers, heads, kv, ffn, vocab)
+    kv_dim = kv * hidden // heads
+    blocks = layers * (hidden * (hidden + 2 * kv_dim) + hidden * hidden + 3 * hidden * ffn)
+    compute = 6 * (blocks / tp + hidden * vocab) / rate
+    all_reduce = hidden * 2 * layers * 2 * (tp - 1) / tp / bw  # seconds per token of one all-reduce per block
+    for sp, count in ((False, 7), (True, 4)):
+        cost = CostModel.for_transformer(
+            *shape, flops_per_second=rate, intra_node_bandwidth=bw, tensor_parallel=tp, sequence_parallel=sp
+        )
+        assert cost.linear == pytest.approx(compute + count * all_reduce)
+    assert CostModel.for_transformer(*shape, tensor_parallel=tp).to_dict() == (
+        CostModel.for_transformer(*shape, tensor_parallel=tp, sequence_parallel=True).to_dict()
+    )  # on by default, as HydraStrategy(sequence_parallel=None) at T > 1
+    assert CostModel.for_transformer(*shape, sequence_parallel=False).to_dict() == (
+        CostModel.for_transformer(*shape).to_dict()
+    )  # unused at TP 1
+
+
 def test_one_rank_has_no_communication(cost: CostModel) -> None:
     assert float(cost.comm(50_000, 1, 1)) == 0.0
     assert float(cost.sequence(50_000)) == pytest.approx(float(cost.useful(50_000)) + cost.seq_overhead)

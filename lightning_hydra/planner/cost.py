@@ -136,6 +136,7 @@ class CostModel:
         min_chunk_tokens: float = 128.0,
         ranks_per_node: int = 0,
         tensor_parallel: int = 1,
+        sequence_parallel: bool = True,
     ) -> CostModel:
         """Derive coefficients from a causal decoder's shape and an achieved FLOP rate.
 
@@ -165,8 +166,17 @@ class CostModel:
             tensor_parallel: TP degree ``T`` of a CP rank (one device of a TP group, see
                 :mod:`lightning_hydra.strategy.tensor`): it computes ``1 / T`` of the blocks' GEMMs and attention
                 (the head stays whole), moves ``1 / T`` of the all-to-all and ring bytes, and pays TP's own ring
-                all-reduces of ``[tokens, hidden]`` activations inside the node (forward: the o and down outputs;
-                backward: the input gradients of q, k, v, gate and up), ``2 (T - 1) / T`` of their bytes each.
+                collectives of ``[tokens, hidden]`` activations inside the node, counted in all-reduce equivalents
+                of ``2 (T - 1) / T`` of the tensor's bytes each (see ``sequence_parallel``).
+            sequence_parallel: Whether the TP group runs sequence parallelism (``HydraStrategy(sequence_parallel=
+                ...)``, on by default at ``T > 1``; unused at ``T = 1``). Without it, 7 all-reduces per block: forward
+                the outputs of o and down (2), backward the input gradients of q, k, v, gate and up (5, each
+                projection reduces its own). With it, per block forward an all-gather before attention and before
+                the MLP and a reduce-scatter after o and after down; backward each one's transpose (so q/k/v's
+                input gradient is reduce-scattered once, summed, and gate/up's once). A reduce-scatter and an
+                all-gather each send ``(T - 1) / T`` of the tensor, together one all-reduce's traffic: 4 pairs, 2
+                all-reduce equivalents forward and 2 backward, 4 instead of 7 (latency, one more call, is left to
+                calibration's overheads).
 
         Returns:
             The analytic cost model.
@@ -194,7 +204,8 @@ class CostModel:
         if tensor_parallel > 1:
             t = tensor_parallel
             linear = 6.0 * (num_layers * per_layer / t + hidden_size * vocab_size) / flops_per_second
-            reduced = 7 * hidden_size * bytes_per_element * num_layers * 2 * (t - 1) / t  # TP all-reduce bytes
+            all_reduces = 4 if sequence_parallel else 7  # per block, forward plus backward (see the docstring)
+            reduced = all_reduces * hidden_size * bytes_per_element * num_layers * 2 * (t - 1) / t  # bytes per token
             linear += reduced / intra_node_bandwidth
             attn, a2a_bytes, ring_bytes_per_token = attn / t, a2a_bytes / t, ring_bytes_per_token / t
         elif tensor_parallel != 1:

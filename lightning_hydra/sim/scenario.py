@@ -111,7 +111,8 @@ class Scenario:
         ``HydraStrategy(tensor_parallel=tp)`` (:meth:`CostModel.for_transformer` with ``tensor_parallel``), from one
         device's FLOP rate and links: a ``tp``-th of the blocks' compute and of every all-to-all and ring transfer
         (each device moves its share over a link of its own, as the truth times it,
-        :mod:`lightning_hydra.sim.truth`), the head whole, and TP's all-reduces inside the node costed."""
+        :mod:`lightning_hydra.sim.truth`), the head whole, and TP's collectives inside the node costed (all-reduces, or
+        with the job's ``sequence_parallel`` all-gathers and reduce-scatters)."""
         hw = self.hardware
         args: dict[str, Any] = {
             "flops_per_second": hw.peak_flops * self.analytic_efficiency,
@@ -120,6 +121,7 @@ class Scenario:
             "inter_node_bandwidth": hw.inter_node_bandwidth,
             "ranks_per_node": self.node_size(),
             "tensor_parallel": self.job.tp,
+            "sequence_parallel": self.job.sequence_parallel,
         }
         args.update(self.planner)
         shape = self.model.cost_model_args()
