@@ -285,3 +285,56 @@ def test_plan_times_include_tensor_parallel_collectives():
     scenario.job.sequence_parallel = False
     off = simulate_policy(scenario, "static", batches, calibrate=False)
     assert 0 < on["tp_comm_share"] < off["tp_comm_share"] < 1
+
+
+def test_job_fields_round_trip_through_the_recipe(tmp_path):
+    """The job's sequence parallelism and memory settings are read from the recipe (defaults where it says
+    nothing), and a value the strategy would refuse is refused where the recipe is read."""
+    pp = load_scenario(RECIPES / "sim-2048-256k-pp.yaml")
+    assert (pp.job.sequence_parallel, pp.job.sharding, pp.job.precision) == (True, "zero2", "bf16-mixed")
+    assert (pp.job.activation_checkpointing, pp.job.communicator_bytes) == ("selective", 0.5e9)
+    assert pp.starting_cost().to_dict() == (
+        load_scenario(RECIPES / "sim-2048-256k-pp.yaml", **{"job.sequence_parallel": True}).starting_cost().to_dict()
+    )
+    off = load_scenario(RECIPES / "sim-2048-256k-pp.yaml", **{"job.sequence_parallel": False})
+    assert off.job.sequence_parallel is False and off.starting_cost().linear > pp.starting_cost().linear
+    text = (RECIPES / "sim-2048-256k-pp.yaml").read_text()
+    path = tmp_path / "job.yaml"
+    path.write_text(text.replace("sharding: zero2 ", "sharding: zero3 ").replace("sequence_parallel: true", ""))
+    edited = load_scenario(path)
+    assert edited.job.sharding == "zero3" and edited.job.sequence_parallel is True  # the default at tp 8
+    demo = load_scenario(RECIPES / "sim-cpu-demo.yaml")
+    assert (demo.job.sharding, demo.job.precision, demo.job.communicator_bytes) == ("none", "32-true", 0.0)
+    assert demo.job.sequence_parallel is False  # tp 1
+    for override, match in (
+        ({"job.sharding": "zero4"}, "job \\(memory.*unknown sharding 'zero4'"),
+        ({"job.activation_checkpointing": "full"}, "unknown activation_checkpointing 'full'"),
+        ({"job.precision": "fp8"}, "knows precisions"),
+        ({"job.sequence_parallel": "yes"}, "job.sequence_parallel must be true or false"),
+        ({"job.communicator_bytes": -1.0}, "job.communicator_bytes must be a non-negative number"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            load_scenario(RECIPES / "sim-2048-256k-pp.yaml", **override)
+
+
+def test_memory_headroom_is_the_planners_memory_model():
+    """The simulator's headroom is the memory model's (what HydraStrategy sizes a job with): model state for the
+    job's sharding over one stage's pool, communicators, and activation bytes per token of the fullest rank."""
+    from lightning_hydra.planner.memory import ModelMemoryShape, memory_capacity
+    from lightning_hydra.sim.footprint import job_memory, memory_headroom
+
+    scenario = load_scenario(RECIPES / "sim-2048-256k-pp.yaml")
+    job, model = scenario.job, scenario.model
+    memory = job_memory(job, model, scenario.hardware, ranks_per_node=scenario.node_size())
+    shape = ModelMemoryShape.for_decoder(8192, 80, 64, 8, 28672, 128256)
+    direct = memory_capacity(
+        shape, budget=80e9, sharding="zero2", precision="bf16-mixed", checkpointing="selective", world_size=64,
+        ranks_per_node=1, num_microbatches=16, margin=0.0, multiple_of=1, pipeline_stages=4, tensor_parallel=8,
+    )  # fmt: skip
+    assert memory == direct
+    assert memory_headroom(memory, 0) == pytest.approx(1 - (sum(direct.state.values()) + direct.communicators) / 80e9)
+    assert memory_headroom(memory, memory.capacity) >= 0 > memory_headroom(memory, memory.capacity + 1)
+    zero3 = job_memory(
+        Job(**{**job.__dict__, "sharding": "zero3"}), model, scenario.hardware, ranks_per_node=scenario.node_size()
+    )
+    assert zero3.available > memory.available and zero3.per_token == memory.per_token

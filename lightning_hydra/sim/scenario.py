@@ -11,6 +11,7 @@ import yaml
 
 from lightning_hydra.bench.batches import DISTRIBUTIONS
 from lightning_hydra.planner import POLICIES, CostModel
+from lightning_hydra.sim.footprint import job_memory
 from lightning_hydra.sim.hardware import PRESETS, Hardware, ModelShape
 from lightning_hydra.sim.truth import ENGINES
 
@@ -31,12 +32,16 @@ class Job:
     """Tokens one rank holds per microbatch (the planner's memory limit)."""
     num_microbatches: int = 8
     """Microbatches per optimizer step."""
-    state_bytes_per_param: float = 6.0
-    """Bytes of weights, gradients and optimizer state per parameter held by a rank (6: bf16 weights and fp32
-    gradients with a distributed optimizer at large data-parallel size)."""
-    activation_bytes_per_token_layer: float | None = None
-    """Activation memory per token per layer; default ``34 * hidden`` bytes over ``tp`` (flash attention,
-    sequence parallel: Korthikanti et al. 2022)."""
+    sharding: str = "zero2"
+    """How model state is sharded over the pool, as ``HydraStrategy(sharding=...)`` (``"zero2"``: bf16 weights and
+    float32 gradients whole, optimizer state sharded, Megatron's distributed optimizer); the memory headroom's
+    model state (:func:`~lightning_hydra.sim.footprint.job_memory`)."""
+    precision: str = "bf16-mixed"
+    """The Trainer's precision the memory model charges (``"bf16-mixed"``, ``"bf16-true"``, ``"32-true"``)."""
+    activation_checkpointing: str = "selective"
+    """``HydraStrategy(activation_checkpointing=...)``: ``"selective"`` or ``"none"`` (activation bytes per token)."""
+    communicator_bytes: float = 0.5e9
+    """Bytes per communicator (NCCL's, about 0.5 GB each; 0 on CPU)."""
     projected_stages: int = 4
     """Pipeline depth of the projected ``bubble_pp`` when the job has no pipeline (``pp == 1``)."""
     sequence_parallel: bool | None = None
@@ -153,8 +158,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
 _POSITIVE = {
     "hardware": ("peak_flops", "gemm_efficiency", "attn_efficiency", "intra_node_bandwidth", "inter_node_bandwidth",
                  "gpus_per_node", "memory_bytes"),
-    "job": ("gpus", "tp", "pp", "max_tokens_per_rank", "num_microbatches", "projected_stages",
-            "state_bytes_per_param"),
+    "job": ("gpus", "tp", "pp", "max_tokens_per_rank", "num_microbatches", "projected_stages"),
     "workload": ("context", "fill", "corpus_max_bytes"),
     "": ("steps", "analytic_efficiency"),
 }  # fmt: skip
@@ -162,7 +166,8 @@ _POSITIVE = {
 table of nonsense)."""
 _NON_NEGATIVE = {
     "hardware": ("gemm_half_tokens", "attn_half_len", "layer_overhead", "seq_overhead", "ring_step_overhead",
-                 "attn_tile_tokens"),
+                 "attn_tile_tokens", "tp_latency", "tp_half_bytes"),
+    "job": ("communicator_bytes",),
 }  # fmt: skip
 """Fields that must be finite and at least 0."""
 
@@ -246,6 +251,10 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
             f"{path}: the planner's starting cost model (sections model, hardware, planner): {exc}"
         ) from None
     job = scenario.job
+    try:  # the job's memory settings, as the strategy would refuse them
+        job_memory(job, scenario.model, scenario.hardware, ranks_per_node=scenario.node_size())
+    except ValueError as exc:
+        raise ValueError(f"{path}: job (memory: sharding, precision, activation_checkpointing): {exc}") from None
     if scenario.engine not in ENGINES:
         raise ValueError(f"{path}: unknown engine {scenario.engine!r} (known: {sorted(ENGINES)})")
     if job.gpus % (job.tp * job.pp):

@@ -22,6 +22,7 @@ from lightning_hydra.metrics.bubbles import pipeline_bubble, pipeline_makespan
 from lightning_hydra.metrics.loads import replay_step_time
 from lightning_hydra.planner import CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator, plan_features, predict, relative_error
+from lightning_hydra.sim.footprint import job_memory, memory_headroom
 from lightning_hydra.sim.scenario import Scenario
 from lightning_hydra.sim.truth import plan_times, plan_tp_times
 
@@ -93,8 +94,7 @@ def simulate_policy(
     cost = cost or scenario.starting_cost()
     calibrator = CostCalibrator()
     heads, kv_heads = model.num_heads // job.tp, model.num_kv_heads // job.tp
-    act = job.activation_bytes_per_token_layer or 34 * model.hidden_size / job.tp
-    states = model.params / (job.pp * job.tp) * job.state_bytes_per_param
+    memory = job_memory(job, model, hw, ranks_per_node=scenario.node_size())
     steps = []
     for k, lengths in enumerate(batches):
         start = time.perf_counter()
@@ -118,7 +118,7 @@ def simulate_policy(
         result["cost_model_error"] = relative_error(predicted, times.ravel())
         result["schedule_ms"] = schedule_ms
         result["tp_comm_share"] = float(tp_busy.sum() / times.sum()) if times.sum() > 0 else 0.0
-        result["memory_headroom"] = 1.0 - (states + layers * act * float(plan.tokens().max())) / hw.memory_bytes
+        result["memory_headroom"] = memory_headroom(memory, float(plan.tokens().max()))
         result["microbatches"] = plan.num_microbatches
         steps.append(result)
         if calibrate:
