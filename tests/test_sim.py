@@ -338,3 +338,13 @@ def test_memory_headroom_is_the_planners_memory_model():
         Job(**{**job.__dict__, "sharding": "zero3"}), model, scenario.hardware, ranks_per_node=scenario.node_size()
     )
     assert zero3.available > memory.available and zero3.per_token == memory.per_token
+
+
+def test_bench_reports_the_tensor_parallel_collectives_share():
+    """``python -m lightning_hydra.bench.tp``'s simulated 2,048-GPU job reports the share of busy time in TP's own
+    collectives: some at TP 8 (the truth times them), none at TP 1."""
+    from lightning_hydra.bench.tp import simulated_2048
+
+    out = simulated_2048(steps=1)
+    for policy in ("mcore", "hydra"):
+        assert 0 < out["tp8"][policy]["tp_comm_share"] < 0.5 and out["tp1"][policy]["tp_comm_share"] == 0

@@ -13,8 +13,9 @@ the tokens):
 - ``simulated_2048``: the simulator's 2,048-GPU job (``recipes/sim-2048-256k-pp.yaml``, a Llama-3-70B shape at 256K
   over PP 4) as written, TP 8 (a pool of 64; the planner's cost model at ``tensor_parallel=8``), and with TP not
   modelled, TP 1 (a pool of 512 whose ranks hold an eighth of the tokens, the same global batch): tokens per
-  second, 1F1B bubble and memory headroom per policy, and TP 8's throughput over TP 1's from the one run (the
-  simulator's truth does not time TP's all-reduces: TP 8's figure leaves them out).
+  second, 1F1B bubble, memory headroom (the planner's memory model, ``lightning_hydra.sim.footprint``) and the share
+  of busy time spent in TP's own collectives (the truth times them: all-gathers and reduce-scatters with the job's
+  sequence parallelism, all-reduces without) per policy, and TP 8's throughput over TP 1's from the one run.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def simulated_2048(steps: int | None = None) -> dict[str, Any]:
 
     base = load_scenario(recipe_path("sim-2048-256k-pp"), steps=steps)
     keys = ("tokens_per_s", "tokens_per_s_uncalibrated", "bubble_pp", "memory_headroom", "cost_model_error")
+    keys += ("tp_comm_share",)  # median over steps of TP collectives' seconds over all busy seconds
     out: dict[str, Any] = {}
     for tp in (base.job.tp, 1):
         tokens = base.job.max_tokens_per_rank * tp // base.job.tp  # the pool's tokens per microbatch unchanged
