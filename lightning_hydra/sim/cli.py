@@ -29,8 +29,9 @@ TABLE_LEGEND = """columns (medians over the steps after the first, the closed lo
   bubble_pp     pipeline bubble: measured on the simulated 1F1B schedule with pipeline parallelism, else projected
                 for the scenario's projected_stages
   sched ms      wall time of planning one global batch on this machine (the real planner)
-  mem headroom  share of a GPU's memory left on the fullest rank (model state + activations of its tokens);
-                below 0 the plan would not fit"""
+  mem headroom  share of a GPU's memory left on the fullest rank (the planner's memory model: model state for
+                the job's sharding, communicators, activations of its tokens); below 0 the plan would not fit
+  (--json also reports tp_comm_share: the share of busy time in tensor parallelism's own collectives)"""
 """What each column of the ``simulate`` table means."""
 
 
