@@ -31,8 +31,8 @@ Engines (:data:`ENGINES`): ``"hydra"`` is this package's Ulysses-in-ring engine 
 supports for THD and the one Megatron's Dynamic-CP hands its per-microbatch groups to: a ring over the whole group
 (no Ulysses level, ``u = 1``), dK/dV in the activation dtype (assumed).
 
-A time with ``timer_includes_comm=False`` (a CPU thread timer) leaves out ``a2a`` bandwidth time and exposed ring
-transfers but keeps the local overheads. Everything is vectorised over the groups of a plan.
+A time with ``timer_includes_comm=False`` (a CPU thread timer) leaves out ``a2a`` and TP bandwidth time and exposed
+ring transfers but keeps the local overheads and latencies. Everything is vectorised over the groups of a plan.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ ENGINES = {"hydra": 4, "te-p2p": None}
 
 TP_COLLECTIVES = {False: (7, 2), True: (8, 1)}
 """Tensor parallelism's collectives per block, forward plus backward, keyed by sequence parallelism: ``(calls,
-sent)``, each call sending ``sent * (T - 1) / T`` of a ``[tokens, hidden]`` activation from every device (a ring's
-traffic). Without sequence parallelism 7 all-reduces (``sent`` 2: reduce-scatter plus all-gather): forward the
+sent)``, each call sending ``sent * (tp - 1) / tp`` of a ``[tokens, hidden]`` activation from every device (a
+ring's traffic). Without sequence parallelism 7 all-reduces (``sent`` 2: reduce-scatter plus all-gather): forward the
 outputs of o and down, backward the input gradients of q, k and v (each projection reduces its own), gate and
 up. With it 8 half-size calls: forward an all-gather before attention and before the MLP and a reduce-scatter
 after o and after down; backward each one's transpose (a reduce-scatter of q/k/v's summed input gradient and of
