@@ -2,12 +2,14 @@
 
 Under tensor parallelism ``T`` the head's weight ``[V, h]`` is split by rows over the TP group (``ColwiseParallel``:
 rank ``t`` holds vocabulary ids ``[t V / T, (t + 1) V / T)``). Per chunk of tokens each rank computes its
-``[c, V / T]`` float32 logits and the group agrees, with three all-reduces of ``c`` values, on each token's maximum,
-sum of exponentials and target logit (held by one rank), giving the log-sum-exp and the loss. The forward keeps the
-hidden states, the weight shard and the per-token log-sum-exp (float32); the backward recomputes each chunk's local
-logits, forms ``softmax - onehot`` on the shard, and all-reduces the hidden states' gradient (a sum over the
-vocabulary shards). The result equals :func:`~lightning_hydra.models.losses.chunked_cross_entropy` of the whole
-head up to float32 rounding of the log-sum-exp.
+``[c, V / T]`` float32 logits and the group agrees, with two all-reduces, on each token's maximum and target logit
+(held by one rank: one maximum of ``2 c`` values), then on its sum of exponentials (``c`` values), giving the
+log-sum-exp and the loss (bitwise what three all-reduces, maximum, sum and target, gave: tested at 2 and 4 gloo
+ranks). The forward keeps the hidden states, the weight shard and the per-token log-sum-exp (float32); the backward
+recomputes each chunk's local logits, forms ``softmax - onehot`` on the shard, and all-reduces the hidden states'
+gradient (a sum over the vocabulary shards). The result equals
+:func:`~lightning_hydra.models.losses.chunked_cross_entropy` of the whole head up to float32 rounding of the
+log-sum-exp.
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             valid = lab != ignore_index
             local = lab - offset
             mine = valid & (local >= 0) & (local < w.shape[0])
-            top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            sums = _all_reduce(torch.exp(logits - top[:, None]).sum(dim=-1), dist.ReduceOp.SUM, group)
             picked = logits.gather(1, torch.where(mine, local, 0)[:, None])[:, 0]
-            picked = _all_reduce(torch.where(mine, picked, 0.0), dist.ReduceOp.SUM, group)
+            # one maximum for both: [row maximum, target logit (-inf on the ranks without it)] per token; a maximum
+            # is exact in any order, and the sum below reduces the same c values as alone (stacked into one sum with
+            # the target logit, a ring's per-element order would change with the buffer: 1-ulp differences at T 4)
+            both = torch.stack((logits.max(dim=-1).values, torch.where(mine, picked, -torch.inf)))
+            top, picked = _all_reduce(both, dist.ReduceOp.MAX, group)
+            sums = _all_reduce(torch.exp(logits - top[:, None]).sum(dim=-1), dist.ReduceOp.SUM, group)
             chunk_lse = top + torch.log(sums)
             lse[start : start + chunk] = chunk_lse
-            total += torch.where(valid, chunk_lse - picked, 0.0).sum()
+            total += torch.where(valid, chunk_lse - torch.where(valid, picked, 0.0), 0.0).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.args = (offset, group, ignore_index, chunk, dtype)
         return total
