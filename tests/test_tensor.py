@@ -42,12 +42,14 @@ class Record(pl.Callback):
     def on_train_end(self, trainer, module) -> None:
         from torch.distributed.tensor import DTensor
 
-        params = {}
+        params, types = {}, {}
         for name, p in module.named_parameters():
             self.kinds.append(type(p.data).__name__)
+            types[name] = type(p.data).__name__
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective for DTensors
             params[name] = full.tolist()
         row = {"losses": self.losses, "norms": self.norms, "idle": self.idle, "params": params, "kinds": self.kinds}
+        row["types"] = types
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(row))
 
 
@@ -305,26 +307,45 @@ def test_checkpoint_reshards_between_tensor_parallel_degrees(
         torch.testing.assert_close(torch.tensor(again["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-7)
 
 
-def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path) -> None:
-    """A Hugging Face Llama model splits by the same plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj)."""
-    from lightning_hydra.models.hf import HFCausalLM
+HF_CONFIG = {"model_type": "llama", "vocab_size": 258, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 512}  # fmt: skip
 
-    config = {"model_type": "llama", "vocab_size": 258, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 512}  # fmt: skip
+
+@pytest.mark.parametrize(
+    ("variant", "config", "stages"),
+    [
+        ("untied", {}, 1),
+        ("tied", {"tie_word_embeddings": True}, 1),
+        ("pp2", {}, 2),
+        ("granite", {"model_type": "granite", "logits_scaling": 4.0, "residual_multiplier": 0.5}, 1),
+    ],
+)
+def test_hf_tp2_trains_like_one_process(tmp_path: Path, variant: str, config: dict, stages: int) -> None:
+    """A Hugging Face model splits by the Llama-family plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj) and its
+    untied head by vocabulary rows (``output_head()``; the chunked loss runs vocabulary-parallel, Granite's
+    ``1 / logits_scaling`` on the hidden states); a tied head stays whole. TP 2 x pool 2 (TP 2 x PP 2 for ``pp2``)."""
+    from lightning_hydra.models.hf import HFCausalLM
 
     def model() -> HFCausalLM:
         torch.manual_seed(7)
-        return HFCausalLM(config=config, lr=1.0, max_grad_norm=0.2, optimizer="sgd")
+        return HFCausalLM(config={**HF_CONFIG, **config}, lr=1.0, max_grad_norm=0.2, optimizer="sgd")
 
     reference = model()
+    assert reference.output_head() is reference.model.lm_head
     ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
-    ranks = _fit(tmp_path, "tp", model(), 4, 3, _strategy(tensor_parallel=2, num_microbatches=4))
+    strategy = _strategy(tensor_parallel=2, num_microbatches=4, pipeline_stages=stages, capacity=160 * stages)
+    ranks = _fit(tmp_path, "tp", model(), 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    assert "DTensor" in ranks[0]["kinds"]
+    last = ranks[-1]  # holds the head under PP too
+    head = "model.lm_head.weight" if variant != "tied" else "model.model.embed_tokens.weight"
+    assert last["types"][head] == ("Tensor" if variant == "tied" else "DTensor"), last["types"][head]
+    assert last["types"]["model.model.layers.1.self_attn.q_proj.weight"] == "DTensor"
     for name, p in reference.named_parameters():
-        for rank in ranks:
+        holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
+        assert len(holders) == 4 // stages, name
+        for rank in holders:
             got = torch.tensor(rank["params"][name], dtype=p.dtype)
             assert (got - p.detach()).norm() / p.detach().norm() <= 1e-6, name
 

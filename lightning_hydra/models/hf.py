@@ -269,6 +269,15 @@ class HFCausalLM(HydraModule):
         factor = (1.0 if scale is None else float(scale)) / (1.0 if scaling is None else float(scaling))
         return head, factor
 
+    @override
+    def output_head(self) -> nn.Linear | None:
+        """The CausalLM's ``lm_head`` when its logits are a linear head's times a factor (:meth:`_linear_head`): the
+        chunked loss then reads a vocabulary-split weight shard by shard (the factor scales the hidden states, so it
+        composes with the split); ``None`` otherwise (soft-capping, a biased head: computed from full logits, the
+        head stays whole) and on a pipeline stage without the head."""
+        linear = self._linear_head()
+        return None if linear is None else linear[0]
+
     def _chunked_loss(self, hidden: torch.Tensor, head: nn.Linear, factor: float, labels: torch.Tensor) -> torch.Tensor:
         """The summed token loss of ``factor * head(hidden)`` without its ``[t, vocab]`` float32 logits (the factor
         scales the hidden states: ``(f h) W^T = f (h W^T)``)."""
@@ -313,6 +322,12 @@ class HFCausalLM(HydraModule):
                 "model.layers, model.norm, model.rotary_emb, lm_head) that pipeline stages split"
             )
         return base
+
+    @override
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The decoder layers this model holds (after :meth:`pipeline_stage`, this stage's: the others are
+        ``nn.Identity``, which tensor parallelism and sharding skip)."""
+        return [block for block in super().transformer_blocks() if not isinstance(block, nn.Identity)]
 
     @override
     def pipeline_stage(self, stage: int, stages: int) -> None:

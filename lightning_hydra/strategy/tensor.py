@@ -13,8 +13,9 @@ same tokens, and the CP groups of a step are formed once per TP rank over the po
 **Plans.** q/k/v and gate/up are ``ColwiseParallel`` (their weights' rows split over the TP group, inputs
 replicated: the backward all-reduces the input's gradient), o and down ``RowwiseParallel`` (the forward all-reduces
 the output). Norms and embedding stay replicated: their gradients are the same on every TP rank, so the pool's
-gradient sum treats them as a replica's. The reference decoder's head is split by vocabulary rows
-(:mod:`lightning_hydra.models.vocab_parallel`: its loss never gathers logits). A rank idle in a microbatch is
+gradient sum treats them as a replica's. An untied LM head (``HydraModule.output_head()``: the reference
+decoder's, a Hugging Face CausalLM's) is split by vocabulary rows (:mod:`lightning_hydra.models.vocab_parallel`:
+its loss never gathers logits); a tied one stays whole. A rank idle in a microbatch is
 idle with its whole TP group (same pool position), so TP's collectives stay aligned.
 """
 
@@ -121,9 +122,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
     """Split every transformer block of ``model`` over the 1-D TP ``mesh``, in place; returns the blocks split.
 
     Each block's projections become DTensor shards (:func:`block_plan`); its attention then holds ``H / T`` query
-    and ``Hkv / T`` KV heads, which the CP engine splits further by Ulysses. A model's own untied ``lm_head``
-    (the reference decoder's) is split by vocabulary rows when ``T`` divides them: its loss is
-    :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy`.
+    and ``Hkv / T`` KV heads, which the CP engine splits further by Ulysses. The model's ``output_head()``
+    (:meth:`~lightning_hydra.HydraModule.output_head`: the reference decoder's ``lm_head``, a Hugging Face
+    CausalLM's) is split by vocabulary rows when it is untied and ``T`` divides them: its loss is
+    :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy`; a tied head stays whole.
 
     Args:
         model: A :class:`~lightning_hydra.HydraModule` whose ``transformer_blocks()`` fit :data:`BLOCK_LAYOUTS`.
@@ -141,7 +143,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
         if attention is not None:
             attention.heads //= tensor
             attention.kv_heads //= tensor
-    head = getattr(model, "lm_head", None)
+    find = getattr(model, "output_head", None)
+    head = find() if callable(find) else getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and head.out_features % tensor == 0 and not _tied(model, head.weight):
         # vocabulary-parallel: the chunked loss reads the row shards (never full logits); logits, when asked
         # for (no labels), are gathered
