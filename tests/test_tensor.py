@@ -14,7 +14,13 @@ from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.cp import CPContext
 from lightning_hydra.errors import ConfigError
 from lightning_hydra.planner import BatchPlanner, CostModel, PlannerConfig
-from lightning_hydra.planner.memory import LLAMA3_8B, activation_bytes_per_token, memory_capacity, model_state_bytes
+from lightning_hydra.planner.memory import (
+    LLAMA3_8B,
+    ModelMemoryShape,
+    activation_bytes_per_token,
+    memory_capacity,
+    model_state_bytes,
+)
 from lightning_hydra.strategy.capacity import memory_shape
 from lightning_hydra.strategy.prelaunch import preflight
 from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, tensor_mesh
@@ -189,10 +195,14 @@ def test_memory_and_cost_models_know_tensor_parallelism() -> None:
     kw = {"sharding": "zero2", "precision": "bf16-mixed", "world_size": 8, "ranks_per_node": 1, "num_microbatches": 8}
     assert model_state_bytes(LLAMA3_8B, tensor_parallel=1, **kw) == model_state_bytes(LLAMA3_8B, **kw)
     tp8 = model_state_bytes(LLAMA3_8B, tensor_parallel=8, **kw)
-    whole = 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.hidden_size  # embedding and head stay whole on every TP rank
-    expected = LLAMA3_8B.num_params - LLAMA3_8B.num_layers * LLAMA3_8B.projection_params * 7 / 8
+    whole = LLAMA3_8B.vocab_size * LLAMA3_8B.hidden_size  # the embedding stays whole on every TP rank
+    # the blocks' projections and the untied head (split by vocabulary rows) hold 1/8 per TP rank
+    expected = LLAMA3_8B.num_params - (LLAMA3_8B.num_layers * LLAMA3_8B.projection_params + whole) * 7 / 8
     assert tp8["optimizer"] == pytest.approx(8 * expected / 8)  # AdamW's 8 bytes per parameter over 8 pool ranks
     assert expected > whole
+    tied = ModelMemoryShape.for_decoder(4096, 32, 32, 8, 14336, 128256, tied_embeddings=True)
+    tied8 = model_state_bytes(tied, tensor_parallel=8, **kw)  # a tied head stays whole with the embedding
+    assert tied8["optimizer"] == pytest.approx(tied.num_params - tied.num_layers * tied.projection_params * 7 / 8)
     caps = {
         t: memory_capacity(LLAMA3_8B, budget=80e9, checkpointing="selective", tensor_parallel=t, **kw).capacity
         for t in (1, 8)
