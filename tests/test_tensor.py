@@ -141,8 +141,6 @@ def test_bad_tensor_parallel_stops_before_launch() -> None:
         preflight(strategy, model, None)
     with pytest.raises(ConfigError, match="does not divide ranks_per_node=4"):
         HydraStrategy(tensor_parallel=3, ranks_per_node=4)
-    with pytest.raises(ValueError, match="tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'"):
-        HydraStrategy(tensor_parallel=2, sharding="hsdp")
 
 
 def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:

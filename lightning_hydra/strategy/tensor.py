@@ -87,10 +87,29 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tensor_mesh(device_type: str, *, stages: int, pool: int, tensor: int) -> DeviceMesh:
+def tensor_mesh(device_type: str, *, stages: int, pool: int, tensor: int, shard: int | None = None) -> DeviceMesh:
     """The run's device mesh ``("pp", "pool", "tp")`` of shape ``(stages, pool, tensor)`` (collective: every rank
-    calls it once, in the same order of process-group creation)."""
-    return init_device_mesh(device_type, (stages, pool, tensor), mesh_dim_names=MESH_DIMS)
+    calls it once, in the same order of process-group creation).
+
+    With ``shard`` (``sharding="hsdp"``: the pool positions of one node) the pool is laid out as ``("replicate",
+    "shard")`` = ``(pool / shard, shard)``, replicas across nodes and shards inside one, as torchtitan lays out
+    HSDP x TP: the mesh is ``("pp", "replicate", "shard", "tp")`` (the same rank order, pool position ``i = r shard
+    + k``) and the two pool dims are flattened into ``"pool"`` too, so ``mesh["pool"]`` is the whole pool (the
+    gradient and loss sums) and ``mesh["replicate", "shard"]`` FSDP's 2-D mesh, both slices of one root mesh as
+    FSDP2 needs beside the TP mesh. ``DeviceMesh._flatten`` is private torch API (what torchtitan itself calls; no
+    public way to name a flattened dim of a mesh yet): it names the flattened dim on the root mesh.
+
+    Raises:
+        ConfigError: ``shard`` does not divide ``pool`` (hsdp needs whole nodes).
+    """
+    if shard is None:
+        return init_device_mesh(device_type, (stages, pool, tensor), mesh_dim_names=MESH_DIMS)
+    if shard < 1 or pool % shard:
+        raise ConfigError(f"hsdp needs whole nodes: {pool} pool positions with {shard} positions per node")
+    shape = (stages, pool // shard, shard, tensor)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "replicate", "shard", "tp"))
+    mesh["replicate", "shard"]._flatten("pool")
+    return mesh
 
 
 BLOCK_LAYOUTS = (
