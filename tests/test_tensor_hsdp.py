@@ -54,33 +54,46 @@ class OptimizerState(pl.Callback):
 
 def _hsdp(**kw) -> HydraStrategy:
     # 8 ranks, ranks_per_node 4: two nodes of two TP-2 groups; the pool of 4 positions is (replicate 2, shard 2)
-    return _strategy(tensor_parallel=2, sharding="hsdp", ranks_per_node=4, **kw)
+    return _strategy(tensor_parallel=2, sharding="hsdp", ranks_per_node=kw.pop("ranks_per_node", 4), **kw)
 
 
 @pytest.mark.timeout(300)
-def test_hsdp_tp2_trains_like_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stages", "ranks_per_node"), [(1, 4), (2, 2)])
+def test_hsdp_tp2_trains_like_one_process(tmp_path: Path, stages: int, ranks_per_node: int) -> None:
+    """TP 2 x (replicate 2 x shard 2) on 8 ranks; and TP 2 x PP 2 x (replicate 2 x shard 1): nodes of one TP group,
+    a stage's pool of 2 positions on two nodes."""
     reference = make_model()
     ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
     placements = tmp_path / "placements.json"
     out = tmp_path / "hsdp.json"
-    trainer = quiet_trainer(
-        8, _hsdp(policy="static", num_microbatches=6), callbacks=[Record(out), Placements(placements)], max_steps=3
+    strategy = _hsdp(
+        policy="static",
+        num_microbatches=6,
+        pipeline_stages=stages,
+        ranks_per_node=ranks_per_node,
+        capacity=160 * stages,
     )
+    trainer = quiet_trainer(8, strategy, callbacks=[Record(out), Placements(placements)], max_steps=3)
     trainer.fit(make_model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(8)]
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert max(ranks[0]["norms"]) > 0.2  # clipping changed the update (and stayed exact)
     assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    assert sum(r["idle"] for r in ranks) > 0  # some positions sat out microbatches (zero-token passes in the last)
+    # positions sat out microbatches: zero-token passes in the last (on every stage, the activations they send
+    # included)
+    assert sum(r["idle"] for r in ranks) > 0
     layout = json.loads(placements.read_text())
     # a TP-split projection: replicated across nodes, FSDP-sharded inside a node, TP-sharded by rows
     mesh, where = layout["layers.0.attn.q_proj.weight"]
     assert mesh == ["replicate", "shard", "tp"], mesh
     assert where[0] == "R" and where[2] == "S(0)", where  # FSDP strides its dim-0 shard over the TP shard
-    assert layout["lm_head.weight"][0] == ["replicate", "shard", "tp"]  # the vocabulary-parallel head
+    if stages == 1:
+        assert layout["lm_head.weight"][0] == ["replicate", "shard", "tp"]  # the vocabulary-parallel head
     for name, p in reference.named_parameters():
         expected = p.detach()
-        for rank in ranks:
+        holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
+        assert len(holders) == 8 // stages, name
+        for rank in holders:
             got = torch.tensor(rank["params"][name], dtype=expected.dtype)
             rel = (got - expected).norm() / expected.norm()
             assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
