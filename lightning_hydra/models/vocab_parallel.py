@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_hydra.models.logits import compute_dtype, tokens_per_chunk
+from lightning_hydra.models.logits import capped, compute_dtype, tokens_per_chunk
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -40,12 +40,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         chunk: int,
         dtype: torch.dtype,
+        softcap: float | None,
     ) -> torch.Tensor:
         w = weight.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            logits = (hidden[start : start + chunk].to(dtype) @ w.t()).float()
+            logits = capped((hidden[start : start + chunk].to(dtype) @ w.t()).float(), softcap)[0]
             lab = labels[start : start + chunk]
             valid = lab != ignore_index
             local = lab - offset
@@ -61,13 +62,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             lse[start : start + chunk] = chunk_lse
             total += torch.where(valid, chunk_lse - torch.where(valid, picked, 0.0), 0.0).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.args = (offset, group, ignore_index, chunk, dtype)
+        ctx.args = (offset, group, ignore_index, chunk, dtype, softcap)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         hidden, weight, labels, lse = ctx.saved_tensors
-        offset, group, ignore_index, chunk, dtype = ctx.args
+        offset, group, ignore_index, chunk, dtype, softcap = ctx.args
         w = weight.to(dtype)
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -77,14 +78,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             valid = lab != ignore_index
             local = lab - offset
             mine = valid & (local >= 0) & (local < w.shape[0])
-            d_logits = torch.exp((h @ w.t()).float() - lse[start : start + chunk, None])
+            logits, slope = capped((h @ w.t()).float(), softcap)
+            d_logits = torch.exp(logits - lse[start : start + chunk, None])
             rows = torch.arange(lab.numel(), device=lab.device)  # no boolean indexing: no host sync per chunk
             d_logits[rows, torch.where(mine, local, 0)] -= mine.to(d_logits.dtype)
+            if slope is not None:
+                d_logits *= slope
             d_logits = (d_logits * (valid[:, None] * grad)).to(dtype)
             partial = _all_reduce(d_logits @ w, dist.ReduceOp.SUM, group)  # a sum over the vocabulary's shards
             d_hidden[start : start + chunk] = partial.to(hidden.dtype)
             d_weight += (d_logits.t() @ h).float()
-        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None, None
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -94,6 +98,7 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sum of the token cross-entropies of ``hidden @ weight.T`` against ``labels``, ``weight`` a DTensor split by
     rows (the vocabulary) over a 1-D TP mesh; every rank of the mesh calls it with the same ``hidden`` and
@@ -105,6 +110,8 @@ def vocab_parallel_cross_entropy(
         labels: ``[t]`` target ids.
         ignore_index: Label of tokens that are not trained.
         chunk_tokens: Tokens per chunk (default: as many as ``LOGIT_BYTES`` of float32 logits of the shard allow).
+        softcap: Logit soft-capping ``softcap * tanh(logits / softcap)`` (element-wise: applied to each shard's
+            logits before the maximum and the sum); ``None``: none.
 
     Returns:
         A float32 scalar; its gradient reaches the weight's shard (as a DTensor gradient) and ``hidden``.
@@ -119,5 +126,5 @@ def vocab_parallel_cross_entropy(
     offset = mesh.get_local_rank() * local.shape[0]
     chunk = tokens_per_chunk(local.shape[0], chunk_tokens)
     return _VocabParallelCrossEntropy.apply(
-        hidden, local, labels, offset, mesh.get_group(), ignore_index, chunk, compute_dtype(hidden)
+        hidden, local, labels, offset, mesh.get_group(), ignore_index, chunk, compute_dtype(hidden), softcap
     )
