@@ -58,10 +58,11 @@ def _hsdp(**kw) -> HydraStrategy:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("stages", "ranks_per_node"), [(1, 4), (2, 2)])
+@pytest.mark.parametrize(("stages", "ranks_per_node"), [(1, 4), (2, 2), (2, 4)])
 def test_hsdp_tp2_trains_like_one_process(tmp_path: Path, stages: int, ranks_per_node: int) -> None:
-    """TP 2 x (replicate 2 x shard 2) on 8 ranks; and TP 2 x PP 2 x (replicate 2 x shard 1): nodes of one TP group,
-    a stage's pool of 2 positions on two nodes."""
+    """TP 2 x (replicate 2 x shard 2) on 8 ranks; TP 2 x PP 2 x (replicate 2 x shard 1): nodes of one TP group, a
+    stage's pool of 2 positions on two nodes; and TP 2 x PP 2 x (replicate 1 x shard 2): a stage's pool in one node
+    (a shard group above 1 under PP needs 16 ranks for a replicate dim above 1 too)."""
     reference = make_model()
     ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
     placements = tmp_path / "placements.json"
