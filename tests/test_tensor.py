@@ -376,9 +376,10 @@ def test_hf_tp2_trains_like_one_process(tmp_path: Path, variant: str, config: di
             assert rel <= 1e-6 or diff <= 1e-8, f"{name}: relative difference {float(rel):.2e}, {float(diff):.1e}"
 
 
-def _vocab_parallel_against_whole(rank: int, world: int, softcap: float | None = None) -> list[float]:
+def _vocab_parallel_against_whole(rank: int, world: int, softcap: float | None = None) -> list:
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from lightning_hydra.models import vocab_parallel
     from lightning_hydra.models.losses import chunked_cross_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -392,8 +393,15 @@ def _vocab_parallel_against_whole(rank: int, world: int, softcap: float | None =
     whole.backward()
     h2 = hidden.clone().requires_grad_(True)
     w2 = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_(True)
-    split = chunked_cross_entropy(h2, w2, labels, chunk_tokens=8, softcap=softcap)  # dispatches on the DTensor
-    split.backward()
+    calls = []
+    reduce = vocab_parallel._all_reduce
+    vocab_parallel._all_reduce = lambda t, op, group: calls.append(t.numel()) or reduce(t, op, group)
+    try:
+        split = chunked_cross_entropy(h2, w2, labels, chunk_tokens=8, softcap=softcap)  # dispatches on the DTensor
+        forward = list(calls)
+        split.backward()
+    finally:
+        vocab_parallel._all_reduce = reduce
     h3, w3 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)  # autograd on full logits
     logits = (h3 @ w3.t()).float()
     if softcap is not None:
@@ -408,6 +416,7 @@ def _vocab_parallel_against_whole(rank: int, world: int, softcap: float | None =
         float((h1.grad - h3.grad).norm() / h3.grad.norm()),
         float((w1.grad - w3.grad).norm() / w3.grad.norm()),
         float(w2.grad.to_local().shape[0]),
+        forward,
     ]
 
 
@@ -418,3 +427,5 @@ def test_vocab_parallel_loss_equals_the_whole_heads(softcap: float | None) -> No
     for differences in run_world(2, _vocab_parallel_against_whole, softcap):
         assert max(differences[:6]) < 1e-6  # float32 logits every way (log-sum-exp summed in another order)
         assert differences[6] == 129  # each rank holds half the vocabulary's rows and their gradient
+        # two all-reduces per chunk of 8 tokens (5 chunks): the maximum of [row maximum, target logit], then the sum
+        assert differences[7] == [16, 8, 16, 8, 16, 8, 16, 8, 10, 5]
