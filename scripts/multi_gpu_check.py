@@ -22,8 +22,10 @@ Checks (one JSON line each from rank 0, then a summary; the exit status is non-z
 6. ``tp2``: the same with ``tensor_parallel=2`` and ``sharding="zero2"`` (TP 2 x pool world/2: TP 2 x pool 1 at 2
    ranks, TP 2 x pool 2 at 4), every parameter gathered with ``full_tensor()``; on CUDA under ``bf16-mixed`` (FSDP's
    bf16 policy over float32 parameters) against a one-process ``bf16-mixed`` run.
+7. ``tp2_hsdp``: the same with ``sharding="hsdp"`` (FSDP2 over the pool split into ``(replicate, shard)``, nodes of
+   ``max(2, local / 2)`` ranks: TP 2 x (replicate 2 x shard 1) at 4 ranks, TP 2 x (2 x 2) at 8, one TP group at 2).
 
-The training checks run ``bf16-true`` on CUDA (``tp2``: ``bf16-mixed``) and float32 on CPU.
+The training checks run ``bf16-true`` on CUDA (``tp2``, ``tp2_hsdp``: ``bf16-mixed``) and float32 on CPU.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ LENGTHS = [300, 7, 96, 64, 3, 180, 41, 120, 12, 77]
 """The attention checks' bin."""
 DATA_LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
 """The training checks' documents."""
-CHECKS = ("ring", "all_to_all", "tp2_vocab_loss", "pipeline", "zero2", "tp2")
-TRAINING = ("pipeline", "zero2", "tp2")
+CHECKS = ("ring", "all_to_all", "tp2_vocab_loss", "pipeline", "zero2", "tp2", "tp2_hsdp")
+TRAINING = ("pipeline", "zero2", "tp2", "tp2_hsdp")
 """The checks that train under Lightning (on the process group the others ran on)."""
 LAUNCHER_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -95,7 +97,7 @@ def precision(name: str, device: torch.device) -> str:
     """A training check's (and its reference's) Trainer precision."""
     if device.type != "cuda":
         return "32-true"
-    return "bf16-mixed" if name == "tp2" else "bf16-true"
+    return "bf16-mixed" if name in ("tp2", "tp2_hsdp") else "bf16-true"
 
 
 def _fit(devices: int, strategy, device: torch.device, precision: str, num_nodes: int = 1) -> tuple[list[float], dict]:
@@ -192,13 +194,14 @@ def vocab_check(world: int, device: torch.device) -> dict:
 
 
 def training_check(name: str, world: int, device: torch.device, expected: dict | None) -> dict:
-    """A pipeline (2 stages), zero2 or TP 2 x zero2 run on every rank against the one-process reference (compared on
-    rank 0, which holds it and the full parameters)."""
+    """A pipeline (2 stages), zero2, TP 2 x zero2 or TP 2 x hsdp run on every rank against the one-process reference
+    (compared on rank 0, which holds it and the full parameters)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     kw = {
         "pipeline": {"pipeline_stages": 2, "ranks_per_node": world // 2},
         "zero2": {"sharding": "zero2"},
         "tp2": {"tensor_parallel": 2, "sharding": "zero2", "ranks_per_node": local},
+        "tp2_hsdp": {"tensor_parallel": 2, "sharding": "hsdp", "ranks_per_node": max(2, local // 2)},
     }[name]
     kernel = "auto" if device.type == "cuda" else "cpu"
     strategy = HydraStrategy(kernel=kernel, max_tokens_per_rank=4096, num_microbatches=4, **kw)

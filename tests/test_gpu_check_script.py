@@ -90,4 +90,5 @@ def test_multi_gpu_dry_run_lists_its_checks() -> None:
         "pipeline",
         "zero2",
         "tp2",
+        "tp2_hsdp",
     ]

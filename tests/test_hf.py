@@ -159,14 +159,20 @@ def test_what_a_model_asks_beyond_document_masked_attention_is_refused() -> None
 
 @pytest.mark.parametrize(
     ("model_type", "extra"),
-    [("llama", {}), ("granite", {"logits_scaling": 8.0}), ("cohere", {"logit_scale": 0.0625})],
-)
+    [
+        ("llama", {}),
+        ("granite", {"logits_scaling": 8.0}),
+        ("cohere", {"logit_scale": 0.0625}),
+        ("gemma2", {"final_logit_softcapping": 0.2, "attn_logit_softcapping": None, "head_dim": 8,
+                    "layer_types": ["full_attention"] * 2}),
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("staged", [False, True])
 def test_the_chunked_loss_is_the_models_own(model_type: str, extra: dict, staged: bool) -> None:
     """The loss is chunked over tokens from the decoder's output and the LM head; the Granite family divides its
     logits by ``logits_scaling`` (8-16 in released models), which the chunked loss ignored (the summed loss 0.5%
     off at a scaling of 8 on random weights, found by checking 29 architectures), and so did the last pipeline
-    stage."""
+    stage; Gemma 2 soft-caps its final logits (the chunked loss caps them element-wise)."""
     import torch.nn.functional as F
     from transformers import AutoConfig
 

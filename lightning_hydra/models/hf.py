@@ -257,24 +257,41 @@ class HFCausalLM(HydraModule):
     def _linear_head(self) -> tuple[nn.Linear, float] | None:
         """``(head, factor)`` when the model's logits are exactly ``factor * head(last_hidden_state)``, so the loss
         can be chunked over tokens (``factor``: Cohere's ``logit_scale``, the Granite family's ``1 /
-        logits_scaling``; ignoring it trained Granite on logits 8-16x too large); ``None`` otherwise (soft-capping, a
-        biased head)."""
+        logits_scaling``; ignoring it trained Granite on logits 8-16x too large), soft-capped or not
+        (:meth:`_softcap`: the chunked losses cap element-wise); ``None`` otherwise (a biased head, or a factor and a
+        cap together, whose order this does not know)."""
         head = self.model.get_output_embeddings()
         config = self.model.config
-        if getattr(config, "final_logit_softcapping", None) is not None:
-            return None
         if not isinstance(head, nn.Linear) or head.bias is not None or not hasattr(self.model, "base_model"):
             return None
         scale, scaling = getattr(config, "logit_scale", None), getattr(config, "logits_scaling", None)
         factor = (1.0 if scale is None else float(scale)) / (1.0 if scaling is None else float(scaling))
+        if factor != 1.0 and self._softcap() is not None:
+            return None
         return head, factor
+
+    def _softcap(self) -> float | None:
+        """The final logits' soft-capping (Gemma 2's ``final_logit_softcapping``: ``c tanh(logits / c)``), or
+        ``None``."""
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return None if cap is None else float(cap)
+
+    @override
+    def output_head(self) -> nn.Linear | None:
+        """The CausalLM's ``lm_head`` when its logits are a linear head's times a factor, soft-capped or not
+        (:meth:`_linear_head`): the chunked loss then reads a vocabulary-split weight shard by shard (the factor
+        scales the hidden states and the cap is element-wise, so both compose with the split); ``None`` otherwise (a
+        biased head: its loss is computed from full logits, the head stays whole) and on a pipeline stage without
+        the head."""
+        linear = self._linear_head()
+        return None if linear is None else linear[0]
 
     def _chunked_loss(self, hidden: torch.Tensor, head: nn.Linear, factor: float, labels: torch.Tensor) -> torch.Tensor:
         """The summed token loss of ``factor * head(hidden)`` without its ``[t, vocab]`` float32 logits (the factor
         scales the hidden states: ``(f h) W^T = f (h W^T)``)."""
         if factor != 1.0:
             hidden = hidden * factor
-        return chunked_cross_entropy(hidden, head.weight, labels, ignore_index=IGNORE_INDEX)
+        return chunked_cross_entropy(hidden, head.weight, labels, ignore_index=IGNORE_INDEX, softcap=self._softcap())
 
     @override
     def forward(
@@ -315,6 +332,12 @@ class HFCausalLM(HydraModule):
         return base
 
     @override
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The decoder layers this model holds (after :meth:`pipeline_stage`, this stage's: the others are
+        ``nn.Identity``, which tensor parallelism and sharding skip)."""
+        return [block for block in super().transformer_blocks() if not isinstance(block, nn.Identity)]
+
+    @override
     def pipeline_stage(self, stage: int, stages: int) -> None:
         base = self._decoder()
         if stages > 1 and getattr(self.model.config, "tie_word_embeddings", False):
@@ -322,8 +345,8 @@ class HFCausalLM(HydraModule):
         linear = self._linear_head()
         if linear is None:
             raise NotImplementedError(
-                f"{type(self.model).__name__}'s logits are not a linear head's (soft-capping or a biased head): its "
-                "last pipeline stage cannot compute them from the decoder's output"
+                f"{type(self.model).__name__}'s logits are not a linear head's (a biased head, or a scale and "
+                "soft-capping together): its last pipeline stage cannot compute them from the decoder's output"
             )
         self._stage_factor = linear[1]
         c = self.model.config
@@ -350,7 +373,9 @@ class HFCausalLM(HydraModule):
         x = base.norm(x)[0]
         head, factor = self.model.lm_head, self._stage_factor
         if labels is None:
-            return head(x) * factor if factor != 1.0 else head(x)
+            logits = head(x) * factor if factor != 1.0 else head(x)
+            cap = self._softcap()
+            return logits if cap is None else cap * torch.tanh(logits / cap)
         return self._chunked_loss(x, head, factor, labels)
 
     @override

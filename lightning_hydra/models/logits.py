@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOGIT_BYTES", "compute_dtype", "tokens_per_chunk"]
+__all__ = ["LOGIT_BYTES", "capped", "compute_dtype", "tokens_per_chunk"]
 
 LOGIT_BYTES = 1 << 28
 """Bytes of float32 logits one chunk may hold (256 MiB)."""
@@ -27,3 +27,13 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return hidden.dtype
+
+
+def capped(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Soft-capped float32 logits ``softcap * tanh(logits / softcap)`` and their slope ``1 - tanh^2`` (what a
+    gradient on the capped logits is multiplied by); ``(logits, None)`` without a cap. Element-wise: a vocabulary
+    shard of the logits is capped as the whole row would be."""
+    if softcap is None:
+        return logits, None
+    t = torch.tanh(logits / softcap)
+    return softcap * t, 1.0 - t * t

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_hydra.models.logits import LOGIT_BYTES, compute_dtype, tokens_per_chunk
+from lightning_hydra.models.logits import LOGIT_BYTES, capped, compute_dtype, tokens_per_chunk
 
 __all__ = ["LOGIT_BYTES", "chunked_cross_entropy"]
 
@@ -27,24 +27,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         chunk: int,
         dtype: torch.dtype,
+        softcap: float | None,
     ) -> torch.Tensor:
         w = weight.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk].to(dtype)
             lab = labels[start : start + chunk]
-            logits = (h @ w.t()).float()
+            logits = capped((h @ w.t()).float(), softcap)[0]
             valid = lab != ignore_index
             picked = logits.gather(1, torch.where(valid, lab, 0)[:, None])[:, 0]
             total += torch.where(valid, torch.logsumexp(logits, dim=-1) - picked, 0.0).sum()
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.args = (ignore_index, chunk, dtype)
+        ctx.args = (ignore_index, chunk, dtype, softcap)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         hidden, weight, labels = ctx.saved_tensors
-        ignore_index, chunk, dtype = ctx.args
+        ignore_index, chunk, dtype, softcap = ctx.args
         w = weight.to(dtype)
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -52,13 +53,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk].to(dtype)
             lab = labels[start : start + chunk]
             valid = lab != ignore_index
-            d_logits = torch.softmax((h @ w.t()).float(), dim=-1)
+            logits, slope = capped((h @ w.t()).float(), softcap)
+            d_logits = torch.softmax(logits, dim=-1)
             rows = torch.arange(lab.numel(), device=lab.device)
             d_logits[rows, torch.where(valid, lab, 0)] -= 1.0
+            if slope is not None:
+                d_logits *= slope
             d_logits = (d_logits * (valid[:, None] * grad)).to(dtype)
             d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
             d_weight += (d_logits.t() @ h).float()
-        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -68,6 +72,7 @@ def chunked_cross_entropy(
     *,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sum of the token cross-entropies of ``hidden @ weight.T`` against ``labels`` (``ignore_index`` skipped).
 
@@ -78,6 +83,8 @@ def chunked_cross_entropy(
         labels: ``[t]`` target ids.
         ignore_index: Label of tokens that are not trained.
         chunk_tokens: Tokens per chunk (default: as many as :data:`LOGIT_BYTES` of float32 logits allow).
+        softcap: Logit soft-capping ``softcap * tanh(logits / softcap)`` (Gemma 2's ``final_logit_softcapping``),
+            applied to the float32 logits; ``None``: none.
 
     Returns:
         A float32 scalar (0 for no tokens).
@@ -90,7 +97,7 @@ def chunked_cross_entropy(
         from lightning_hydra.models.vocab_parallel import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(
-            hidden, weight, labels, ignore_index=ignore_index, chunk_tokens=chunk_tokens
+            hidden, weight, labels, ignore_index=ignore_index, chunk_tokens=chunk_tokens, softcap=softcap
         )
     chunk = tokens_per_chunk(weight.shape[0], chunk_tokens)
-    return _ChunkedCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, compute_dtype(hidden))
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, compute_dtype(hidden), softcap)

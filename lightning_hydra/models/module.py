@@ -127,6 +127,17 @@ class HydraModule(pl.LightningModule):
         ``nn.ModuleList`` holding the most parameters."""
         return largest_module_list(self)
 
+    def output_head(self) -> nn.Linear | None:
+        """The LM head whose rows are the vocabulary, which tensor parallelism splits by rows when it is untied
+        (``ColwiseParallel``: the loss then runs
+        :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy` on the shards); ``None``: no head
+        to split (the head stays whole). Default: the module's own ``lm_head`` when it is an ``nn.Linear``; a module
+        that overrides it must compute its loss through
+        :func:`~lightning_hydra.models.losses.chunked_cross_entropy` with the head's weight (which dispatches on a
+        split weight)."""
+        head = getattr(self, "lm_head", None)
+        return head if isinstance(head, nn.Linear) else None
+
     def set_activation_checkpointing(self, mode: str) -> int:
         """Turn selective activation checkpointing on (``"selective"``) or off (``"none"``); returns how many units
         recompute. Default: the MLPs and norms of every transformer block (see

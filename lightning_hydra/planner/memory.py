@@ -180,7 +180,7 @@ def model_state_bytes(
 ) -> dict[str, float]:
     """Bytes per rank of parameters, gradients, optimizer state and what a step holds unsharded (``world_size``:
     ranks of one pipeline stage's pool; a stage holds ``1 / pipeline_stages`` of the parameters, a TP rank ``1 /
-    tensor_parallel`` of every block's projections).
+    tensor_parallel`` of every block's projections and of an untied LM head, which TP splits by vocabulary rows).
 
     Returns:
         ``{"params", "grads", "optimizer", "unsharded"}``.
@@ -193,6 +193,12 @@ def model_state_bytes(
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be positive, got {tensor_parallel}")
     split = shape.num_layers * shape.projection_params * (1 - 1 / tensor_parallel)  # other TP ranks' share
+    head = shape.vocab_size * shape.hidden_size
+    # an untied head (the parameters count a second vocabulary matrix beside the blocks' projections) is split by
+    # vocabulary rows under TP; a tied one stays whole with the embedding
+    untied = shape.num_params >= shape.num_layers * shape.projection_params + 2 * head
+    head_split = head * (1 - 1 / tensor_parallel) if untied else 0.0
+    split += head_split
     n = (float(shape.num_params) - split) / pipeline_stages
     master, grad = (2.0, 2.0) if precision == "bf16-true" else (4.0, 4.0)
     moments = 0.0 if optimizer == "sgd" else 2 * master
@@ -203,8 +209,9 @@ def model_state_bytes(
     shards = min(ranks_per_node, world_size) if sharding == "hsdp" else world_size
     accumulated = 4.0 if precision == "bf16-mixed" else grad
     if sharding == "zero3":
-        root = 2 * shape.vocab_size * shape.hidden_size / pipeline_stages
-        unsharded = (root + 2 * (shape.block_params - split / shape.num_layers)) * (compute + grad)
+        root = (2 * head - head_split) / pipeline_stages
+        blocks = split - head_split
+        unsharded = (root + 2 * (shape.block_params - blocks / shape.num_layers)) * (compute + grad)
     else:
         unsharded = n * (compute + (accumulated if num_microbatches > 1 else compute))
     return {

@@ -301,7 +301,10 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
     active = [m for m, mb in enumerate(microbatches) if mb.num_tokens or runtime.must_run(m, count - 1, train=train)]
     order = stage_order(stage, stages, active, train=train)
     schedule = p2p_schedule(stage, stages, active, train=train)
-    shape = {m: (mb.num_tokens, hidden_size) for m, mb in enumerate(microbatches)}
+    # an idle position that must run (sharded state) runs the zero-token microbatch on every stage: its activations
+    # are that microbatch's length, not the plan's 0 tokens
+    idle = module._zero_token_microbatch(runtime.global_rank).input_ids.shape[0]
+    shape = {m: (mb.num_tokens or idle, hidden_size) for m, mb in enumerate(microbatches)}
     sync = runtime.gradient_sync(module) if train else None
     if sync is not None:
         sync.begin()

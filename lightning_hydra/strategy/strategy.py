@@ -144,9 +144,10 @@ class HydraStrategy(ParallelStrategy):
             tensor_parallel: TP degree ``T`` (``T`` consecutive ranks inside a node split every block by torch's
                 ``parallelize_module``; plans are made for the ``world / T`` pool positions and the CP groups formed
                 per TP rank); see :mod:`lightning_hydra.strategy.tensor`. The reference decoder and Llama-family
-                HFCausalLM, with ``sharding`` ``"none"``, ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's
-                ``"pool"`` dimension, as torchtitan composes them) and any ``pipeline_stages`` (a stage's blocks are
-                split after the stage split).
+                HFCausalLM, with any ``sharding``: ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's ``"pool"``
+                dimension, as torchtitan composes them), ``"hsdp"`` (FSDP2 over the pool split into ``("replicate",
+                "shard")``: a node's pool positions shard, nodes replicate), and any ``pipeline_stages`` (a stage's
+                blocks are split after the stage split).
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -190,8 +191,6 @@ class HydraStrategy(ParallelStrategy):
         self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
         self.tensor_parallel = _positive_int("tensor_parallel", tensor_parallel)
         check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
-        if self.tensor_parallel > 1 and sharding == "hsdp":
-            raise ValueError("tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'")
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -308,6 +307,8 @@ class HydraStrategy(ParallelStrategy):
             assert self.layout is not None
             tensor = self.tensor_parallel
             kwargs: dict[str, Any] = {"tensor": tensor} if tensor > 1 else {}
+            if tensor > 1 and self.sharding == "hsdp":  # a node's pool positions shard, nodes replicate
+                kwargs["hsdp_shard"] = min(self.planner_config.ranks_per_node, self.layout.pool)
             self.runtime = (TensorPoolRuntime if tensor > 1 else PoolRuntime)(
                 planner_config=self.planner_config,
                 device=self.root_device,
@@ -408,9 +409,9 @@ class HydraStrategy(ParallelStrategy):
         if self.runtime.sharding is not None:
             return  # a second fit of the same strategy: the model is sharded already
         assert self.layout is not None
-        if isinstance(self.runtime, TensorPoolRuntime):  # FSDP2 over the pool dimension of the TP mesh
+        if isinstance(self.runtime, TensorPoolRuntime):  # FSDP2 over the pool dimension(s) of the TP mesh
             assert self.runtime.mesh is not None
-            mesh = self.runtime.mesh["pool"]
+            mesh = self.runtime.mesh["replicate", "shard"] if self.sharding == "hsdp" else self.runtime.mesh["pool"]
         else:
             mesh = build_mesh(
                 self.sharding,

@@ -13,8 +13,9 @@ same tokens, and the CP groups of a step are formed once per TP rank over the po
 **Plans.** q/k/v and gate/up are ``ColwiseParallel`` (their weights' rows split over the TP group, inputs
 replicated: the backward all-reduces the input's gradient), o and down ``RowwiseParallel`` (the forward all-reduces
 the output). Norms and embedding stay replicated: their gradients are the same on every TP rank, so the pool's
-gradient sum treats them as a replica's. The reference decoder's head is split by vocabulary rows
-(:mod:`lightning_hydra.models.vocab_parallel`: its loss never gathers logits). A rank idle in a microbatch is
+gradient sum treats them as a replica's. An untied LM head (``HydraModule.output_head()``: the reference
+decoder's, a Hugging Face CausalLM's) is split by vocabulary rows (:mod:`lightning_hydra.models.vocab_parallel`:
+its loss never gathers logits); a tied one stays whole. A rank idle in a microbatch is
 idle with its whole TP group (same pool position), so TP's collectives stay aligned.
 """
 
@@ -86,10 +87,29 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tensor_mesh(device_type: str, *, stages: int, pool: int, tensor: int) -> DeviceMesh:
+def tensor_mesh(device_type: str, *, stages: int, pool: int, tensor: int, shard: int | None = None) -> DeviceMesh:
     """The run's device mesh ``("pp", "pool", "tp")`` of shape ``(stages, pool, tensor)`` (collective: every rank
-    calls it once, in the same order of process-group creation)."""
-    return init_device_mesh(device_type, (stages, pool, tensor), mesh_dim_names=MESH_DIMS)
+    calls it once, in the same order of process-group creation).
+
+    With ``shard`` (``sharding="hsdp"``: the pool positions of one node) the pool is laid out as ``("replicate",
+    "shard")`` = ``(pool / shard, shard)``, replicas across nodes and shards inside one, as torchtitan lays out
+    HSDP x TP: the mesh is ``("pp", "replicate", "shard", "tp")`` (the same rank order, pool position ``i = r shard
+    + k``) and the two pool dims are flattened into ``"pool"`` too, so ``mesh["pool"]`` is the whole pool (the
+    gradient and loss sums) and ``mesh["replicate", "shard"]`` FSDP's 2-D mesh, both slices of one root mesh as
+    FSDP2 needs beside the TP mesh. ``DeviceMesh._flatten`` is private torch API (what torchtitan itself calls; no
+    public way to name a flattened dim of a mesh yet): it names the flattened dim on the root mesh.
+
+    Raises:
+        ConfigError: ``shard`` does not divide ``pool`` (hsdp needs whole nodes).
+    """
+    if shard is None:
+        return init_device_mesh(device_type, (stages, pool, tensor), mesh_dim_names=MESH_DIMS)
+    if shard < 1 or pool % shard:
+        raise ConfigError(f"hsdp needs whole nodes: {pool} pool positions with {shard} positions per node")
+    shape = (stages, pool // shard, shard, tensor)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "replicate", "shard", "tp"))
+    mesh["replicate", "shard"]._flatten("pool")
+    return mesh
 
 
 BLOCK_LAYOUTS = (
@@ -121,9 +141,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
     """Split every transformer block of ``model`` over the 1-D TP ``mesh``, in place; returns the blocks split.
 
     Each block's projections become DTensor shards (:func:`block_plan`); its attention then holds ``H / T`` query
-    and ``Hkv / T`` KV heads, which the CP engine splits further by Ulysses. A model's own untied ``lm_head``
-    (the reference decoder's) is split by vocabulary rows when ``T`` divides them: its loss is
-    :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy`.
+    and ``Hkv / T`` KV heads, which the CP engine splits further by Ulysses. The model's ``output_head()``
+    (:meth:`~lightning_hydra.HydraModule.output_head`: the reference decoder's ``lm_head``, a Hugging Face
+    CausalLM's) is split by vocabulary rows when it is untied and ``T`` divides them: its loss is
+    :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy`; a tied head stays whole.
 
     Args:
         model: A :class:`~lightning_hydra.HydraModule` whose ``transformer_blocks()`` fit :data:`BLOCK_LAYOUTS`.
@@ -141,7 +162,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
         if attention is not None:
             attention.heads //= tensor
             attention.kv_heads //= tensor
-    head = getattr(model, "lm_head", None)
+    find = getattr(model, "output_head", None)
+    head = find() if callable(find) else getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and head.out_features % tensor == 0 and not _tied(model, head.weight):
         # vocabulary-parallel: the chunked loss reads the row shards (never full logits); logits, when asked
         # for (no labels), are gathered

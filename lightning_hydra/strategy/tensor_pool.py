@@ -75,9 +75,11 @@ class TensorPoolRuntime(PoolRuntime):
     pipeline's links, the stage sums and the world gathers of :class:`PoolRuntime` address global ranks.
     """
 
-    def __init__(self, *, tensor: int, world_rank: int, **kwargs: Any) -> None:
+    def __init__(self, *, tensor: int, world_rank: int, hsdp_shard: int | None = None, **kwargs: Any) -> None:
         """Args:
         tensor: The TP degree ``T``.
+        hsdp_shard: Pool positions of one node under ``sharding="hsdp"`` (the mesh then splits the pool into
+            ``("replicate", "shard")``, see :func:`~lightning_hydra.strategy.tensor.tensor_mesh`); ``None``: not hsdp.
         world_rank: This rank in the default process group.
         **kwargs: See :class:`~lightning_hydra.strategy.pool.PoolRuntime` (``layout``: stages x pool positions).
         """
@@ -86,6 +88,7 @@ class TensorPoolRuntime(PoolRuntime):
         """Stages x pool positions (what plans are made for)."""
         self.layout = PipelineLayout(stages=self.positions.stages, pool=self.positions.pool * tensor)
         self.tensor = tensor
+        self.hsdp_shard = hsdp_shard
         self.tensor_rank = world_rank % tensor
         self.world_rank = world_rank
         self.mesh: DeviceMesh | None = None
@@ -130,7 +133,11 @@ class TensorPoolRuntime(PoolRuntime):
         block's communicator; a second call creates none. Returns the CP communicators created."""
         if self.mesh is None:
             self.mesh = tensor_mesh(
-                self.device.type, stages=self.positions.stages, pool=self.positions.pool, tensor=self.tensor
+                self.device.type,
+                stages=self.positions.stages,
+                pool=self.positions.pool,
+                tensor=self.tensor,
+                shard=self.hsdp_shard,
             )
             self.stage_group = self.mesh["pool"].get_group()
             self.tensor_equal_group = self.stage_group
