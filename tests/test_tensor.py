@@ -30,10 +30,17 @@ class Record(pl.Callback):
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.idle = 0
+        self.partial = 0
         self.kinds: list[str] = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self.idle += sum(mb.num_tokens == 0 for mb in batch.microbatches)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p in module.parameters():  # after the gradient sums and clipping: none may be a partial sum
+            self.partial += isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
@@ -48,6 +55,7 @@ class Record(pl.Callback):
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective for DTensors
             params[name] = full.tolist()
         row = {"losses": self.losses, "norms": self.norms, "idle": self.idle, "params": params, "kinds": self.kinds}
+        row["partial"] = self.partial
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(row))
 
 
@@ -76,9 +84,16 @@ def reference(tmp_path_factory) -> tuple[dict, DecoderLM]:
     return _fit(tmp_path_factory.mktemp("ref"), "ref", model, 1, 3)[0], model
 
 
-@pytest.mark.parametrize(("sharding", "stages"), [("none", 1), ("zero2", 1), ("zero3", 1), ("none", 2)])
-def test_tp2_trains_like_one_process(tmp_path: Path, reference, sharding: str, stages: int) -> None:
-    """TP 2 x pool 2 (replicas, zero2, zero3) and TP 2 x PP 2 (pool 1) on 4 gloo ranks."""
+@pytest.mark.parametrize(
+    ("sharding", "stages", "sequence_parallel"),
+    [("none", 1, False), ("none", 1, True), ("zero2", 1, True), ("zero3", 1, False), ("none", 2, True)],
+)
+def test_tp2_trains_like_one_process(
+    tmp_path: Path, reference, sharding: str, stages: int, sequence_parallel: bool
+) -> None:
+    """TP 2 x pool 2 (replicas, zero2, zero3) and TP 2 x PP 2 (pool 1) on 4 gloo ranks, with and without sequence
+    parallelism (the residual stream and norms split by tokens; zigzag shards are even, so TP 2 splits them
+    evenly: uneven splits are :func:`test_sequence_parallel_splits_uneven_token_counts_exactly`'s)."""
     ref, reference_model = reference
     model = make_model()
     # the static policy at one degree over 6 microbatches leaves pool positions idle in some microbatches: their
@@ -91,6 +106,7 @@ def test_tp2_trains_like_one_process(tmp_path: Path, reference, sharding: str, s
         sharding=sharding,
         pipeline_stages=stages,
         capacity=160 * stages,  # a pool of 1 (two stages) must hold the longest sequence alone
+        sequence_parallel=sequence_parallel,
     )
     ranks = _fit(tmp_path, "tp", model, 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
@@ -99,14 +115,20 @@ def test_tp2_trains_like_one_process(tmp_path: Path, reference, sharding: str, s
     if stages == 1:
         assert sum(r["idle"] for r in ranks) > 0  # some ranks were idle in some microbatch
     assert "DTensor" in ranks[0]["kinds"]  # the projections really are TP shards
+    # the SP norms' partial gradients were summed over the TP group before clipping (the optimizer's DTensor step
+    # would sum them anyway, but the clipping norm would be wrong)
+    assert sum(r["partial"] for r in ranks) == 0
+    initial = dict(make_model().named_parameters())
     for name, p in reference_model.named_parameters():
         expected = p.detach()
         holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
         assert len(holders) == 4 // stages, name
+        update = (expected - initial[name].detach()).norm()  # a norm weight's update is small beside its ones
         for rank in holders:
             got = torch.tensor(rank["params"][name], dtype=expected.dtype)
             rel = (got - expected).norm() / expected.norm()
             assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+            assert (got - expected).norm() <= 1e-3 * update, f"{name}: the update differs"
 
 
 @pytest.mark.parametrize(
@@ -135,6 +157,50 @@ def test_bad_tensor_parallel_stops_before_launch() -> None:
         HydraStrategy(tensor_parallel=3, ranks_per_node=4)
     with pytest.raises(ValueError, match="tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'"):
         HydraStrategy(tensor_parallel=2, sharding="hsdp")
+
+
+def _sequence_parallel_gradients(rank: int, world: int, tokens: int, mode: str) -> tuple[float, float, int]:
+    """One forward and backward of a TP ``world`` sequence-parallel decoder against the whole model on ``tokens``
+    tokens (``torch.chunk``'s split over the group: uneven, or empty on the last ranks): the loss's relative
+    difference, the gradients' worst one (norm gradients completed by ``sum_partial_gradients``), and how many
+    gradients were partial."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_hydra.strategy.tensor_pool import sum_partial_gradients
+
+    def make() -> DecoderLM:
+        torch.manual_seed(0)
+        model = DecoderLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=128)
+        model.set_activation_checkpointing(mode)
+        return model
+
+    whole, split = make(), make()
+    parallelize(split, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"], sequence_parallel=True)
+    ids = torch.randint(0, 250, (tokens,), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (whole, split):
+        with model.local_cp.use(CPContext.local_group(), [0, tokens]):
+            loss = model(ids, torch.arange(tokens), labels=ids)
+        loss.backward()
+        losses.append(float(loss))
+    partial = sum_partial_gradients(list(split.parameters()))
+    worst = 0.0
+    for p, q in zip(whole.parameters(), split.parameters(), strict=True):
+        got = q.grad
+        if isinstance(got, DTensor):  # a shard gathered; a replicated (or partial) gradient as this rank holds it
+            got = got.full_tensor() if got.placements[0].is_shard() else got.to_local()
+        worst = max(worst, float((got - p.grad).norm() / p.grad.norm().clamp_min(1e-30)))
+    return abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-30), worst, partial
+
+
+@pytest.mark.parametrize(("tokens", "mode"), [(10, "none"), (6, "selective"), (0, "none")])
+def test_sequence_parallel_splits_uneven_token_counts_exactly(tokens: int, mode: str) -> None:
+    """TP 4: 10 tokens split 3/3/3/1, 6 tokens 2/2/2/0 (a rank's shard empty), 0 tokens (an idle pass) give the
+    whole model's loss and gradients; the 4 norm weights' gradients are partial sums until summed over the group."""
+    for loss, grads, partial in run_world(4, _sequence_parallel_gradients, tokens, mode):
+        assert loss <= 1e-6
+        assert grads <= 1e-5
+        assert partial == 4  # two norms in each of two blocks
 
 
 def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:

@@ -101,6 +101,7 @@ class HydraStrategy(ParallelStrategy):
         memory_budget: int | float | str | None = None,
         pipeline_stages: int = 1,
         tensor_parallel: int = 1,
+        sequence_parallel: bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,6 +148,12 @@ class HydraStrategy(ParallelStrategy):
                 HFCausalLM, with ``sharding`` ``"none"``, ``"zero2"`` or ``"zero3"`` (FSDP2 over the mesh's
                 ``"pool"`` dimension, as torchtitan composes them) and any ``pipeline_stages`` (a stage's blocks are
                 split after the stage split).
+            sequence_parallel: Under TP, shard the residual stream between blocks and the norms by tokens over the
+                TP group (torch's ``SequenceParallel``: norm activations and block inputs are ``1 / T`` per rank; a
+                norm's output is all-gathered before the projections, o and down reduce-scatter instead of
+                all-reducing; norm weight gradients are summed over the group). ``None``: on when
+                ``tensor_parallel > 1``; ignored at ``tensor_parallel=1``. A Hugging Face layer with norms besides
+                the two pre-norms (Gemma's sandwich norms) is refused: pass ``False``.
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -192,6 +199,10 @@ class HydraStrategy(ParallelStrategy):
         check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
         if self.tensor_parallel > 1 and sharding == "hsdp":
             raise ValueError("tensor_parallel > 1 runs with sharding 'none', 'zero2' or 'zero3'")
+        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
+        self.sequence_parallel = self.tensor_parallel > 1 and sequence_parallel is not False
+        """Whether the TP blocks run sequence-parallel norms (``sequence_parallel``, resolved against ``T``)."""
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -383,9 +394,12 @@ class HydraStrategy(ParallelStrategy):
             rank_zero_info(f"HydraStrategy: {self.pipeline_stages} pipeline stages of {self.runtime.world_size} ranks")
         if isinstance(self.runtime, TensorPoolRuntime) and not self._parallelized:
             assert self.runtime.mesh is not None
-            blocks = parallelize(self.model, self.runtime.mesh["tp"])
+            blocks = parallelize(self.model, self.runtime.mesh["tp"], sequence_parallel=self.sequence_parallel)
             self._parallelized = True  # the model is split once, whatever fits follow
-            rank_zero_info(f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks")
+            rank_zero_info(
+                f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks"
+                + (", sequence-parallel norms" if self.sequence_parallel else "")
+            )
         self._setup_memory(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
