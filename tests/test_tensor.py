@@ -203,7 +203,7 @@ def test_sequence_parallel_splits_uneven_token_counts_exactly(tokens: int, mode:
         assert partial == 4  # two norms in each of two blocks
 
 
-def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:
+def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype, sequence_parallel: bool) -> dict[str, float]:
     """Bytes per token of the distinct tensors autograd saves in one forward on this TP rank (local shards;
     parameters excluded), for both checkpointing modes."""
     from torch.distributed.tensor import DTensor
@@ -213,7 +213,7 @@ def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, fl
 
     torch.manual_seed(0)
     model = DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384).to(dtype)
-    parallelize(model, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"])
+    parallelize(model, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"], sequence_parallel=sequence_parallel)
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     tokens, out = 512, {}
     for mode in ("none", "selective"):
@@ -236,17 +236,21 @@ def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, fl
     return out
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tp_activation_model_matches_what_autograd_saves(dtype: torch.dtype) -> None:
-    measured = run_world(2, _saved_on_tp_rank, dtype)
+def test_tp_activation_model_matches_what_autograd_saves(dtype: torch.dtype, sequence_parallel: bool) -> None:
+    measured = run_world(2, _saved_on_tp_rank, dtype, sequence_parallel)
     assert measured[0] == measured[1]
     shape = memory_shape(DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384))
     precision = "32-true" if dtype == torch.float32 else "bf16-true"
     for mode, saved in measured[0].items():
-        tp = activation_bytes_per_token(shape, checkpointing=mode, precision=precision, tensor_parallel=2)
+        kw = {"checkpointing": mode, "precision": precision, "tensor_parallel": 2}
+        tp = activation_bytes_per_token(shape, **kw, sequence_parallel=sequence_parallel)
         assert tp["blocks"] + tp["once"] == pytest.approx(saved, rel=0.02), mode
         whole = activation_bytes_per_token(shape, checkpointing=mode, precision=precision)
         assert tp["blocks"] < whole["blocks"]
+        if sequence_parallel:  # the norms' and the residual stream's share divides by T
+            assert tp["blocks"] < activation_bytes_per_token(shape, **kw)["blocks"]
 
 
 def test_memory_and_cost_models_know_tensor_parallelism() -> None:
@@ -284,7 +288,7 @@ def test_auto_capacity_counts_tensor_parallelism() -> None:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     capacities = {}
-    for tensor in (1, 2):
+    for tensor, sequence_parallel in ((1, None), (2, False), (2, None)):
         env = LightningEnvironment()
         env.set_world_size(4)
         env.set_global_rank(0)
@@ -295,12 +299,15 @@ def test_auto_capacity_counts_tensor_parallelism() -> None:
             memory_budget="64MB",
             ranks_per_node=4,
             tensor_parallel=tensor,
+            sequence_parallel=sequence_parallel,
         )
         strategy.connect(DecoderLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
         strategy._resolve_capacity(ulysses_blocks=1)
-        capacities[tensor] = strategy.planner_config.max_tokens_per_rank
+        capacities[tensor, sequence_parallel] = strategy.planner_config.max_tokens_per_rank
         assert strategy.planner_config.ranks_per_node == 4 // tensor  # pool positions per node
-    assert capacities[2] > capacities[1] > 0  # half the projections and most activations per rank
+        assert strategy.sequence_parallel == (tensor > 1 and sequence_parallel is None)  # None: on under TP
+    # half the projections and most activations per rank; with SP (the default) the norms' share halves too
+    assert capacities[2, None] > capacities[2, False] > capacities[1, None] > 0
 
 
 LLAMA3_70B_ARGS = ["--hidden-size", "8192", "--num-layers", "80", "--num-heads", "64", "--num-kv-heads", "8",

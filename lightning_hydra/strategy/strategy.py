@@ -362,6 +362,7 @@ class HydraStrategy(ParallelStrategy):
             pipeline_stages=self.pipeline_stages,
             ulysses_blocks=ulysses_blocks,
             tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def _resolve_capacity(self, ulysses_blocks: int) -> None:
