@@ -325,6 +325,12 @@ def test_plan_command_sizes_a_70b_shape_at_tensor_parallel_8(capsys) -> None:
     # Llama-3-70B on 80 GB: 16K+ tokens per rank at TP 8 with zero3 and selective checkpointing; without TP none
     assert tp8["memory"]["capacity"] == tp8["memory"]["capacities"]["zero3"]["selective"] >= 16384
     assert whole["memory"]["capacities"]["zero3"]["selective"] < tp8["memory"]["capacity"] / 4
+    # sequence parallelism is on by default under TP: the norms' and the block inputs' activations are 1/8
+    assert main([*base, "--tensor-parallel", "8", "--no-sequence-parallel"]) == 0
+    no_sp = json.loads(capsys.readouterr().out)
+    assert tp8["memory"]["capacity"] > 2 * no_sp["memory"]["capacity"] >= 2 * 16384
+    assert main([*base, "--tensor-parallel", "8", "--sequence-parallel"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["capacity"] == tp8["memory"]["capacity"]
     assert main(["plan", "--tensor-parallel", "3"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the error on one line
     assert "error: --tensor-parallel: tensor_parallel=3 does not divide ranks_per_node=8" in last
