@@ -384,8 +384,10 @@ def test_checkpoint_reshards_between_tensor_parallel_degrees(
         torch.testing.assert_close(torch.tensor(again["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-7)
 
 
-def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path) -> None:
-    """A Hugging Face Llama model splits by the same plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj)."""
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path, sequence_parallel: bool) -> None:
+    """A Hugging Face Llama model splits by the same plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj; with
+    sequence parallelism input_layernorm and post_attention_layernorm on ``[1, t / T, h]`` token shards)."""
     from lightning_hydra.models.hf import HFCausalLM
 
     config = {"model_type": "llama", "vocab_size": 258, "hidden_size": 32, "intermediate_size": 64,
@@ -398,14 +400,48 @@ def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path) -> None:
 
     reference = model()
     ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
-    ranks = _fit(tmp_path, "tp", model(), 4, 3, _strategy(tensor_parallel=2, num_microbatches=4))
+    strategy = _strategy(tensor_parallel=2, num_microbatches=4, sequence_parallel=sequence_parallel)
+    ranks = _fit(tmp_path, "tp", model(), 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
     assert "DTensor" in ranks[0]["kinds"]
+    assert sum(r["partial"] for r in ranks) == 0  # SP norms' gradients summed over the TP group before clipping
+    initial = dict(model().named_parameters())
     for name, p in reference.named_parameters():
+        update = (p.detach() - initial[name].detach()).norm()
         for rank in ranks:
             got = torch.tensor(rank["params"][name], dtype=p.dtype)
             assert (got - p.detach()).norm() / p.detach().norm() <= 1e-6, name
+            assert (got - p.detach()).norm() <= 1e-3 * update, f"{name}: the update differs"
+
+
+def test_sequence_parallel_refuses_sandwich_norms_before_launch() -> None:
+    """Gemma-2's layers norm the attention's and the MLP's outputs too (pre/post_feedforward_layernorm): sequence
+    parallelism stops with one line before launch; without it the TP plan applies."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from lightning_hydra.strategy.tensor import block_plan, check_sequence_parallel
+
+    config = Gemma2Config(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    message = r"Gemma2DecoderLayer differs in post_feedforward_layernorm, pre_feedforward_layernorm: pass sequence_"
+    with pytest.raises(ConfigError, match=message) as info:
+        check_sequence_parallel(layer)
+    assert "\n" not in str(info.value)
+    assert len(block_plan(layer)) == 7  # q/k/v/o, gate/up/down: TP without SP
+
+    class Gemma(DecoderLM):  # a HydraModule whose blocks are Gemma-2 layers
+        def transformer_blocks(self) -> list[torch.nn.Module]:
+            return [layer]
+
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    with pytest.raises(ConfigError, match=message):
+        preflight(strategy, Gemma(hidden_size=32, num_heads=4, num_kv_heads=2), None)
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256, sequence_parallel=False)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    preflight(strategy, Gemma(hidden_size=32, num_heads=4, num_kv_heads=2), None)
 
 
 def _vocab_parallel_against_whole(rank: int, world: int) -> list[float]:
