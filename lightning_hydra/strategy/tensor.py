@@ -13,9 +13,12 @@ same tokens, and the CP groups of a step are formed once per TP rank over the po
 **Plans.** q/k/v and gate/up are ``ColwiseParallel`` (their weights' rows split over the TP group, inputs
 replicated: the backward all-reduces the input's gradient), o and down ``RowwiseParallel`` (the forward all-reduces
 the output). Norms and embedding stay replicated: their gradients are the same on every TP rank, so the pool's
-gradient sum treats them as a replica's. The reference decoder's head is split by vocabulary rows
-(:mod:`lightning_hydra.models.vocab_parallel`: its loss never gathers logits). A rank idle in a microbatch is
-idle with its whole TP group (same pool position), so TP's collectives stay aligned.
+gradient sum treats them as a replica's. With sequence parallelism (``HydraStrategy(sequence_parallel=...)``, on by
+default under TP) the residual stream between blocks and the norms are split by tokens instead (see
+:func:`parallelize`): o and down reduce-scatter, each norm's output is all-gathered, and the norms' weights get
+partial gradients that are summed over the TP group before the pool's sum. The reference decoder's head is split
+by vocabulary rows (:mod:`lightning_hydra.models.vocab_parallel`: its loss never gathers logits). A rank idle in
+a microbatch is idle with its whole TP group (same pool position), so TP's collectives stay aligned.
 """
 
 from __future__ import annotations
