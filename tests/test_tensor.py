@@ -86,7 +86,14 @@ def reference(tmp_path_factory) -> tuple[dict, DecoderLM]:
 
 @pytest.mark.parametrize(
     ("sharding", "stages", "sequence_parallel"),
-    [("none", 1, False), ("none", 1, True), ("zero2", 1, True), ("zero3", 1, False), ("none", 2, True)],
+    [
+        ("none", 1, False),
+        ("none", 1, True),
+        ("zero2", 1, True),
+        ("zero3", 1, False),
+        ("zero3", 1, True),
+        ("none", 2, True),
+    ],
 )
 def test_tp2_trains_like_one_process(
     tmp_path: Path, reference, sharding: str, stages: int, sequence_parallel: bool
