@@ -391,10 +391,15 @@ def test_checkpoint_reshards_between_tensor_parallel_degrees(
         torch.testing.assert_close(torch.tensor(again["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path, sequence_parallel: bool) -> None:
+@pytest.mark.parametrize(
+    ("sequence_parallel", "stages", "checkpointing"), [(False, 1, "none"), (True, 1, "none"), (True, 2, "selective")]
+)
+def test_hf_llama_tp2_pool2_trains_like_one_process(
+    tmp_path: Path, sequence_parallel: bool, stages: int, checkpointing: str
+) -> None:
     """A Hugging Face Llama model splits by the same plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj; with
-    sequence parallelism input_layernorm and post_attention_layernorm on ``[1, t / T, h]`` token shards)."""
+    sequence parallelism input_layernorm and post_attention_layernorm on ``[1, t / T, h]`` token shards), also as
+    TP 2 x PP 2 with selective checkpointing (each stage splits and gathers its own layers' tokens)."""
     from lightning_hydra.models.hf import HFCausalLM
 
     config = {"model_type": "llama", "vocab_size": 258, "hidden_size": 32, "intermediate_size": 64,
@@ -407,7 +412,14 @@ def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path, sequence_par
 
     reference = model()
     ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
-    strategy = _strategy(tensor_parallel=2, num_microbatches=4, sequence_parallel=sequence_parallel)
+    strategy = _strategy(
+        tensor_parallel=2,
+        num_microbatches=4,
+        sequence_parallel=sequence_parallel,
+        pipeline_stages=stages,
+        activation_checkpointing=checkpointing,
+        capacity=160 * stages,  # a pool of 1 (two stages) must hold the longest sequence alone
+    )
     ranks = _fit(tmp_path, "tp", model(), 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
@@ -416,7 +428,9 @@ def test_hf_llama_tp2_pool2_trains_like_one_process(tmp_path: Path, sequence_par
     initial = dict(model().named_parameters())
     for name, p in reference.named_parameters():
         update = (p.detach() - initial[name].detach()).norm()
-        for rank in ranks:
+        holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
+        assert len(holders) == 4 // stages, name
+        for rank in holders:
             got = torch.tensor(rank["params"][name], dtype=p.dtype)
             assert (got - p.detach()).norm() / p.detach().norm() <= 1e-6, name
             assert (got - p.detach()).norm() <= 1e-3 * update, f"{name}: the update differs"

@@ -226,7 +226,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
         sequence_parallel: Shard the norms and the residual stream by tokens (see above).
     """
     tensor = mesh.size()
-    blocks: list[Any] = model.transformer_blocks()  # type: ignore[operator]
+    # a pipeline stage's placeholders of the other stages' layers (nn.Identity: HFCausalLM lists them) hold nothing
+    blocks: list[Any] = [b for b in model.transformer_blocks() if not isinstance(b, nn.Identity)]  # type: ignore[operator]
     for block in blocks:
         attention = getattr(block, "attn", None)  # the reference decoder's CPAttention counts its heads
         if attention is not None and (attention.heads % tensor or attention.kv_heads % tensor):
