@@ -266,6 +266,11 @@ def _plan_parser() -> argparse.ArgumentParser:
         help="TP degree inside a node: each pool rank (--world-size) is a TP group of this many GPUs, which splits "
         "the heads, the projections and most activations (HydraStrategy(tensor_parallel=...))",
     )  # fmt: skip
+    parser.add_argument(
+        "--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+        help="under --tensor-parallel, the norms and the residual stream split by tokens over the TP group (their "
+        "activations 1/T per rank; HydraStrategy(sequence_parallel=...)); default on when --tensor-parallel > 1",
+    )  # fmt: skip
     memory = parser.add_argument_group(
         "memory", "with --memory, the memory model sizes the capacity (max_tokens_per_rank='auto' does the same)"
     )
@@ -336,8 +341,9 @@ def _plan(argv: list[str]) -> int:
         parser.error(f"--fill {args.fill} of the pool holds no sequence: raise --fill or --capacity")
     tp = args.tensor_parallel
     cost = CostModel.for_transformer(
-        args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, ranks_per_node=node, tensor_parallel=tp
-    )
+        args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, ranks_per_node=node, tensor_parallel=tp,
+        sequence_parallel=_sequence_parallel(args),
+    )  # fmt: skip
     config = PlannerConfig(
         policy=args.policy, max_tokens_per_rank=capacity, num_microbatches=args.microbatches,
         ranks_per_node=node, pipeline_stages=args.pipeline_stages,
@@ -415,7 +421,14 @@ def _sized(args: argparse.Namespace, sharding: str, checkpointing: str) -> Any:
         ranks_per_node=min(args.ranks_per_node // args.tensor_parallel, args.world_size),
         num_microbatches=args.microbatches, optimizer=args.optimizer,
         pipeline_stages=args.pipeline_stages, tensor_parallel=args.tensor_parallel,
+        sequence_parallel=_sequence_parallel(args),
     )  # fmt: skip
+
+
+def _sequence_parallel(args: argparse.Namespace) -> bool:
+    """``--sequence-parallel`` resolved as ``HydraStrategy`` does: on when ``--tensor-parallel > 1`` unless
+    ``--no-sequence-parallel``."""
+    return args.tensor_parallel > 1 and args.sequence_parallel is not False
 
 
 def _capacity_table(args: argparse.Namespace) -> dict[str, dict[str, int]]:
@@ -446,6 +459,7 @@ def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
             f"sharding {args.sharding} over {args.world_size:,} ranks, {args.checkpointing} activation "
             f"checkpointing, {args.pipeline_stages} pipeline stage{'s' * (args.pipeline_stages > 1)}"
             + (f", tensor parallel {args.tensor_parallel} (world size: TP groups)" if args.tensor_parallel > 1 else "")
+            + (", sequence-parallel norms" if _sequence_parallel(args) else "")
             + "; "
             "lightning_hydra.planner.memory, an estimate not yet checked on a GPU):"
         )

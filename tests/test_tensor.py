@@ -36,10 +36,17 @@ class Record(pl.Callback):
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.idle = 0
+        self.partial = 0
         self.kinds: list[str] = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self.idle += sum(mb.num_tokens == 0 for mb in batch.microbatches)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p in module.parameters():  # after the gradient sums and clipping: none may be a partial sum
+            self.partial += isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
@@ -56,6 +63,7 @@ class Record(pl.Callback):
             params[name] = full.tolist()
         row = {"losses": self.losses, "norms": self.norms, "idle": self.idle, "params": params, "kinds": self.kinds}
         row["types"] = types
+        row["partial"] = self.partial
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(row))
 
 
@@ -84,9 +92,23 @@ def reference(tmp_path_factory) -> tuple[dict, DecoderLM]:
     return _fit(tmp_path_factory.mktemp("ref"), "ref", model, 1, 3)[0], model
 
 
-@pytest.mark.parametrize(("sharding", "stages"), [("none", 1), ("zero2", 1), ("zero3", 1), ("none", 2)])
-def test_tp2_trains_like_one_process(tmp_path: Path, reference, sharding: str, stages: int) -> None:
-    """TP 2 x pool 2 (replicas, zero2, zero3) and TP 2 x PP 2 (pool 1) on 4 gloo ranks."""
+@pytest.mark.parametrize(
+    ("sharding", "stages", "sequence_parallel"),
+    [
+        ("none", 1, False),
+        ("none", 1, True),
+        ("zero2", 1, True),
+        ("zero3", 1, False),
+        ("zero3", 1, True),
+        ("none", 2, True),
+    ],
+)
+def test_tp2_trains_like_one_process(
+    tmp_path: Path, reference, sharding: str, stages: int, sequence_parallel: bool
+) -> None:
+    """TP 2 x pool 2 (replicas, zero2, zero3) and TP 2 x PP 2 (pool 1) on 4 gloo ranks, with and without sequence
+    parallelism (the residual stream and norms split by tokens; zigzag shards are even, so TP 2 splits them
+    evenly: uneven splits are :func:`test_sequence_parallel_splits_uneven_token_counts_exactly`'s)."""
     ref, reference_model = reference
     model = make_model()
     # the static policy at one degree over 6 microbatches leaves pool positions idle in some microbatches: their
@@ -99,6 +121,7 @@ def test_tp2_trains_like_one_process(tmp_path: Path, reference, sharding: str, s
         sharding=sharding,
         pipeline_stages=stages,
         capacity=160 * stages,  # a pool of 1 (two stages) must hold the longest sequence alone
+        sequence_parallel=sequence_parallel,
     )
     ranks = _fit(tmp_path, "tp", model, 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
@@ -107,14 +130,20 @@ def test_tp2_trains_like_one_process(tmp_path: Path, reference, sharding: str, s
     if stages == 1:
         assert sum(r["idle"] for r in ranks) > 0  # some ranks were idle in some microbatch
     assert "DTensor" in ranks[0]["kinds"]  # the projections really are TP shards
+    # the SP norms' partial gradients were summed over the TP group before clipping (the optimizer's DTensor step
+    # would sum them anyway, but the clipping norm would be wrong)
+    assert sum(r["partial"] for r in ranks) == 0
+    initial = dict(make_model().named_parameters())
     for name, p in reference_model.named_parameters():
         expected = p.detach()
         holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
         assert len(holders) == 4 // stages, name
+        update = (expected - initial[name].detach()).norm()  # a norm weight's update is small beside its ones
         for rank in holders:
             got = torch.tensor(rank["params"][name], dtype=expected.dtype)
             rel = (got - expected).norm() / expected.norm()
             assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+            assert (got - expected).norm() <= 1e-3 * update, f"{name}: the update differs"
 
 
 @pytest.mark.parametrize(
@@ -143,7 +172,51 @@ def test_bad_tensor_parallel_stops_before_launch() -> None:
         HydraStrategy(tensor_parallel=3, ranks_per_node=4)
 
 
-def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:
+def _sequence_parallel_gradients(rank: int, world: int, tokens: int, mode: str) -> tuple[float, float, int]:
+    """One forward and backward of a TP ``world`` sequence-parallel decoder against the whole model on ``tokens``
+    tokens (``torch.chunk``'s split over the group: uneven, or empty on the last ranks): the loss's relative
+    difference, the gradients' worst one (norm gradients completed by ``sum_partial_gradients``), and how many
+    gradients were partial."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_hydra.strategy.tensor_pool import sum_partial_gradients
+
+    def make() -> DecoderLM:
+        torch.manual_seed(0)
+        model = DecoderLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=128)
+        model.set_activation_checkpointing(mode)
+        return model
+
+    whole, split = make(), make()
+    parallelize(split, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"], sequence_parallel=True)
+    ids = torch.randint(0, 250, (tokens,), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (whole, split):
+        with model.local_cp.use(CPContext.local_group(), [0, tokens]):
+            loss = model(ids, torch.arange(tokens), labels=ids)
+        loss.backward()
+        losses.append(float(loss))
+    partial = sum_partial_gradients(list(split.parameters()))
+    worst = 0.0
+    for p, q in zip(whole.parameters(), split.parameters(), strict=True):
+        got = q.grad
+        if isinstance(got, DTensor):  # a shard gathered; a replicated (or partial) gradient as this rank holds it
+            got = got.full_tensor() if got.placements[0].is_shard() else got.to_local()
+        worst = max(worst, float((got - p.grad).norm() / p.grad.norm().clamp_min(1e-30)))
+    return abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-30), worst, partial
+
+
+@pytest.mark.parametrize(("tokens", "mode"), [(10, "none"), (6, "selective"), (0, "none")])
+def test_sequence_parallel_splits_uneven_token_counts_exactly(tokens: int, mode: str) -> None:
+    """TP 4: 10 tokens split 3/3/3/1, 6 tokens 2/2/2/0 (a rank's shard empty), 0 tokens (an idle pass) give the
+    whole model's loss and gradients; the 4 norm weights' gradients are partial sums until summed over the group."""
+    for loss, grads, partial in run_world(4, _sequence_parallel_gradients, tokens, mode):
+        assert loss <= 1e-6
+        assert grads <= 1e-5
+        assert partial == 4  # two norms in each of two blocks
+
+
+def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype, sequence_parallel: bool) -> dict[str, float]:
     """Bytes per token of the distinct tensors autograd saves in one forward on this TP rank (local shards;
     parameters excluded), for both checkpointing modes."""
     from torch.distributed.tensor import DTensor
@@ -153,7 +226,7 @@ def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, fl
 
     torch.manual_seed(0)
     model = DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384).to(dtype)
-    parallelize(model, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"])
+    parallelize(model, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"], sequence_parallel=sequence_parallel)
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     tokens, out = 512, {}
     for mode in ("none", "selective"):
@@ -176,17 +249,21 @@ def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, fl
     return out
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tp_activation_model_matches_what_autograd_saves(dtype: torch.dtype) -> None:
-    measured = run_world(2, _saved_on_tp_rank, dtype)
+def test_tp_activation_model_matches_what_autograd_saves(dtype: torch.dtype, sequence_parallel: bool) -> None:
+    measured = run_world(2, _saved_on_tp_rank, dtype, sequence_parallel)
     assert measured[0] == measured[1]
     shape = memory_shape(DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384))
     precision = "32-true" if dtype == torch.float32 else "bf16-true"
     for mode, saved in measured[0].items():
-        tp = activation_bytes_per_token(shape, checkpointing=mode, precision=precision, tensor_parallel=2)
+        kw = {"checkpointing": mode, "precision": precision, "tensor_parallel": 2}
+        tp = activation_bytes_per_token(shape, **kw, sequence_parallel=sequence_parallel)
         assert tp["blocks"] + tp["once"] == pytest.approx(saved, rel=0.02), mode
         whole = activation_bytes_per_token(shape, checkpointing=mode, precision=precision)
         assert tp["blocks"] < whole["blocks"]
+        if sequence_parallel:  # the norms' and the residual stream's share divides by T
+            assert tp["blocks"] < activation_bytes_per_token(shape, **kw)["blocks"]
 
 
 def test_memory_and_cost_models_know_tensor_parallelism() -> None:
@@ -228,7 +305,7 @@ def test_auto_capacity_counts_tensor_parallelism() -> None:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     capacities = {}
-    for tensor in (1, 2):
+    for tensor, sequence_parallel in ((1, None), (2, False), (2, None)):
         env = LightningEnvironment()
         env.set_world_size(4)
         env.set_global_rank(0)
@@ -239,12 +316,15 @@ def test_auto_capacity_counts_tensor_parallelism() -> None:
             memory_budget="64MB",
             ranks_per_node=4,
             tensor_parallel=tensor,
+            sequence_parallel=sequence_parallel,
         )
         strategy.connect(DecoderLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
         strategy._resolve_capacity(ulysses_blocks=1)
-        capacities[tensor] = strategy.planner_config.max_tokens_per_rank
+        capacities[tensor, sequence_parallel] = strategy.planner_config.max_tokens_per_rank
         assert strategy.planner_config.ranks_per_node == 4 // tensor  # pool positions per node
-    assert capacities[2] > capacities[1] > 0  # half the projections and most activations per rank
+        assert strategy.sequence_parallel == (tensor > 1 and sequence_parallel is None)  # None: on under TP
+    # half the projections and most activations per rank; with SP (the default) the norms' share halves too
+    assert capacities[2, None] > capacities[2, False] > capacities[1, None] > 0
 
 
 LLAMA3_70B_ARGS = ["--hidden-size", "8192", "--num-layers", "80", "--num-heads", "64", "--num-kv-heads", "8",
@@ -262,6 +342,12 @@ def test_plan_command_sizes_a_70b_shape_at_tensor_parallel_8(capsys) -> None:
     # Llama-3-70B on 80 GB: 16K+ tokens per rank at TP 8 with zero3 and selective checkpointing; without TP none
     assert tp8["memory"]["capacity"] == tp8["memory"]["capacities"]["zero3"]["selective"] >= 16384
     assert whole["memory"]["capacities"]["zero3"]["selective"] < tp8["memory"]["capacity"] / 4
+    # sequence parallelism is on by default under TP: the norms' and the block inputs' activations are 1/8
+    assert main([*base, "--tensor-parallel", "8", "--no-sequence-parallel"]) == 0
+    no_sp = json.loads(capsys.readouterr().out)
+    assert tp8["memory"]["capacity"] > 2 * no_sp["memory"]["capacity"] >= 2 * 16384
+    assert main([*base, "--tensor-parallel", "8", "--sequence-parallel"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["capacity"] == tp8["memory"]["capacity"]
     assert main(["plan", "--tensor-parallel", "3"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the error on one line
     assert "error: --tensor-parallel: tensor_parallel=3 does not divide ranks_per_node=8" in last
@@ -327,20 +413,25 @@ about 0.4 at initialisation: a cap of 0.2 bends them)."""
 
 
 @pytest.mark.parametrize(
-    ("variant", "config", "stages"),
+    ("variant", "config", "stages", "sequence_parallel", "checkpointing"),
     [
-        ("untied", {}, 1),
-        ("tied", {"tie_word_embeddings": True}, 1),
-        ("pp2", {}, 2),
-        ("granite", {"model_type": "granite", "logits_scaling": 4.0, "residual_multiplier": 0.5}, 1),
-        ("gemma2", GEMMA2_SOFTCAP, 1),
+        ("untied", {}, 1, True, "none"),
+        ("untied-no-sp", {}, 1, False, "none"),
+        ("tied", {"tie_word_embeddings": True}, 1, True, "none"),
+        ("pp2", {}, 2, True, "selective"),
+        ("granite", {"model_type": "granite", "logits_scaling": 4.0, "residual_multiplier": 0.5}, 1, True, "none"),
+        ("gemma2", GEMMA2_SOFTCAP, 1, False, "none"),  # sandwich norms: TP without SP
     ],
 )
-def test_hf_tp2_trains_like_one_process(tmp_path: Path, variant: str, config: dict, stages: int) -> None:
-    """A Hugging Face model splits by the Llama-family plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj) and its
+def test_hf_tp2_trains_like_one_process(
+    tmp_path: Path, variant: str, config: dict, stages: int, sequence_parallel: bool, checkpointing: str
+) -> None:
+    """A Hugging Face model splits by the Llama-family plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj; with
+    sequence parallelism input_layernorm and post_attention_layernorm on ``[1, t / T, h]`` token shards) and its
     untied head by vocabulary rows (``output_head()``; the chunked loss runs vocabulary-parallel, Granite's
     ``1 / logits_scaling`` on the hidden states, Gemma 2's soft-capping on each shard); a tied head stays whole.
-    TP 2 x pool 2 (TP 2 x PP 2 for ``pp2``)."""
+    TP 2 x pool 2 (TP 2 x PP 2 with selective checkpointing for ``pp2``: each stage splits and gathers its own
+    layers' tokens)."""
     from lightning_hydra.models.hf import HFCausalLM
 
     def model() -> HFCausalLM:
@@ -356,15 +447,25 @@ def test_hf_tp2_trains_like_one_process(tmp_path: Path, variant: str, config: di
     expected = torch.nn.functional.cross_entropy(logits.float(), ids, reduction="sum")
     assert float(chunked) == pytest.approx(float(expected), rel=1e-5)
     ref = _fit(tmp_path, "ref", reference, 1, 3)[0]
-    strategy = _strategy(tensor_parallel=2, num_microbatches=4, pipeline_stages=stages, capacity=160 * stages)
+    strategy = _strategy(
+        tensor_parallel=2,
+        num_microbatches=4,
+        sequence_parallel=sequence_parallel,
+        pipeline_stages=stages,
+        activation_checkpointing=checkpointing,
+        capacity=160 * stages,  # a pool of 1 (two stages) must hold the longest sequence alone
+    )
     ranks = _fit(tmp_path, "tp", model(), 4, 3, strategy)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert ranks[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    assert sum(r["partial"] for r in ranks) == 0  # SP norms' gradients summed over the TP group before clipping
     last = ranks[-1]  # holds the head under PP too
     head = "model.lm_head.weight" if variant != "tied" else "model.model.embed_tokens.weight"
     assert last["types"][head] == ("Tensor" if variant == "tied" else "DTensor"), last["types"][head]
     assert last["types"]["model.model.layers.1.self_attn.q_proj.weight"] == "DTensor"
+    initial = dict(model().named_parameters())
     for name, p in reference.named_parameters():
+        update = (p.detach() - initial[name].detach()).norm()
         holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
         assert len(holders) == 4 // stages, name
         for rank in holders:
@@ -374,6 +475,36 @@ def test_hf_tp2_trains_like_one_process(tmp_path: Path, variant: str, config: di
             # Gemma's norm weights start at zero (it scales by 1 + w): after 3 steps their norm is ~1e-3, and TP's
             # sums in another order leave ~1e-9 absolute (1.06e-6 relative on pre_feedforward_layernorm, measured)
             assert rel <= 1e-6 or diff <= 1e-8, f"{name}: relative difference {float(rel):.2e}, {float(diff):.1e}"
+            assert diff <= 1e-3 * update, f"{name}: the update differs"
+
+
+def test_sequence_parallel_refuses_sandwich_norms_before_launch() -> None:
+    """Gemma-2's layers norm the attention's and the MLP's outputs too (pre/post_feedforward_layernorm): sequence
+    parallelism stops with one line before launch; without it the TP plan applies."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from lightning_hydra.strategy.tensor import block_plan, check_sequence_parallel
+
+    config = Gemma2Config(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    message = r"Gemma2DecoderLayer differs in post_feedforward_layernorm, pre_feedforward_layernorm: pass sequence_"
+    with pytest.raises(ConfigError, match=message) as info:
+        check_sequence_parallel(layer)
+    assert "\n" not in str(info.value)
+    assert len(block_plan(layer)) == 7  # q/k/v/o, gate/up/down: TP without SP
+
+    class Gemma(DecoderLM):  # a HydraModule whose blocks are Gemma-2 layers
+        def transformer_blocks(self) -> list[torch.nn.Module]:
+            return [layer]
+
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    with pytest.raises(ConfigError, match=message):
+        preflight(strategy, Gemma(hidden_size=32, num_heads=4, num_kv_heads=2), None)
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256, sequence_parallel=False)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    preflight(strategy, Gemma(hidden_size=32, num_heads=4, num_kv_heads=2), None)
 
 
 def _vocab_parallel_against_whole(rank: int, world: int, softcap: float | None = None) -> list:

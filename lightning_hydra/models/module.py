@@ -115,11 +115,16 @@ class HydraModule(pl.LightningModule):
         ``num_heads``, ``num_kv_heads``, ``ffn_hidden_size``, ``vocab_size``)."""
         return {"hidden_size": 1024, "num_layers": 8, "num_heads": 8}
 
-    def cost_model(self, tensor_parallel: int = 1) -> CostModel:
+    def cost_model(self, tensor_parallel: int = 1, sequence_parallel: bool = True) -> CostModel:
         """The analytic cost model of this model's shape (the planner's default; calibration refines it), for one
-        rank of a TP group of ``tensor_parallel``."""
+        rank of a TP group of ``tensor_parallel`` (whose collectives ``sequence_parallel`` counts, see
+        :meth:`CostModel.for_transformer`)."""
         return CostModel.for_transformer(
-            **self.model_shape(), flops_per_second=self.flops_per_second, tensor_parallel=tensor_parallel, **CPU_LINKS
+            **self.model_shape(),
+            flops_per_second=self.flops_per_second,
+            tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel,
+            **CPU_LINKS,
         )
 
     def transformer_blocks(self) -> list[nn.Module]:

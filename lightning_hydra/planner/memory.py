@@ -41,6 +41,15 @@ MLP width split: per block the norms' float32 inputs and their outputs stay whol
 input ``A h`` when selective), q/k/v, the attention output, the LSE and the MLP's tensors divide by ``T``, as do
 the CP buffers; the final norm, head input and RoPE tables stay whole. The TP group is one more communicator.
 
+**Sequence parallelism** (``sequence_parallel=True``, ``HydraStrategy``'s default under TP): the residual stream
+between blocks and the norms run on ``1 / T`` of the tokens, so per block the norms' float32 inputs and
+normalised outputs divide by ``T`` (``(8 h + 2 A h) / T``) while their all-gathered outputs, the projections'
+inputs, stay whole (``2 A h``); with selective checkpointing the block input kept is ``A h / T``. The final norm
+and head run on the gathered tokens (unchanged)::
+
+    none:       (8 h + 2 A h) / T + 2 A h + (A (2 h + 2 kv) + 4 H + 4 A f) / T
+    selective:  (A h + A (2 h + 2 kv) + 4 H) / T
+
 Everything here is an estimate: on a GPU the true peak also depends on the allocator and kernels' workspaces
 (the margin covers them); it has not been checked against a GPU's measured peak yet.
 """
@@ -223,9 +232,22 @@ def model_state_bytes(
 
 
 def activation_bytes_per_token(
-    shape: ModelMemoryShape, *, checkpointing: str, precision: str, tensor_parallel: int = 1
+    shape: ModelMemoryShape,
+    *,
+    checkpointing: str,
+    precision: str,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """Activation bytes per token on a rank (of a TP group of ``tensor_parallel``).
+
+    Args:
+        shape: The model.
+        checkpointing: ``"none"`` or ``"selective"``.
+        precision: The Trainer's precision.
+        tensor_parallel: TP degree ``T``.
+        sequence_parallel: The norms and the residual stream split by tokens over the TP group (no effect at
+            ``T = 1``); see the module docstring.
 
     Returns:
         ``{"blocks", "once", "transient", "cp_buffers", "total"}`` (see the module docstring).
@@ -237,9 +259,11 @@ def activation_bytes_per_token(
     if t < 1:
         raise ValueError(f"tensor_parallel must be positive, got {t}")
     split = a * (2 * h + 2 * kv) + 4 * heads  # q/k/v, attention output, LSE: split by TP with the heads
-    full = 8 * h + 4 * a * h + (split + a * 4 * f) / t
+    norms = 1 / t if sequence_parallel else 1.0  # the share of the tokens the norms and the residual stream see
+    # the norms' float32 inputs and normalised outputs (on the token shard under SP), their (gathered) outputs
+    full = (8 * h + 2 * a * h) * norms + 2 * a * h + (split + a * 4 * f) / t
     if checkpointing == "selective":
-        block = a * h + split / t
+        block = a * h * norms + split / t
     elif checkpointing == "none":
         block = full
     else:
@@ -308,6 +332,7 @@ def memory_capacity(
     multiple_of: int = 256,
     pipeline_stages: int = 1,
     tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """The token capacity of a rank: what its budget leaves after model state, communicators and the margin,
     divided by activation bytes per token, rounded down to ``multiple_of``.
@@ -331,6 +356,7 @@ def memory_capacity(
             model without a pipeline, so the activation term is unchanged (``world_size`` is one stage's pool).
         tensor_parallel: TP degree: state and activations per rank as the module docstring says, and the TP
             group's communicator.
+        sequence_parallel: Sequence-parallel norms under TP (:func:`activation_bytes_per_token`).
     """
     if budget <= 0 or not 0 <= margin < 1:
         raise ValueError(f"budget must be positive and margin in [0, 1), got {budget} and {margin}")
@@ -350,7 +376,11 @@ def memory_capacity(
     tp_group = 1 if tensor_parallel > 1 else 0
     communicators = communicator_bytes * (1 + mesh_dims + ulysses_blocks + 2 + stage_links + tp_group)
     per_token = activation_bytes_per_token(
-        shape, checkpointing=checkpointing, precision=precision, tensor_parallel=tensor_parallel
+        shape,
+        checkpointing=checkpointing,
+        precision=precision,
+        tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
     )
     kept = budget * margin
     left = budget - sum(state.values()) - communicators - kept

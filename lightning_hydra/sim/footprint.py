@@ -50,7 +50,7 @@ def job_memory(job, model: ModelShape, hardware: Hardware, *, ranks_per_node: in
         multiple_of=1,
         pipeline_stages=job.pp,
         tensor_parallel=job.tp,
-        # TODO(lead): pass sequence_parallel=job.sequence_parallel once memory.py has it
+        sequence_parallel=job.sequence_parallel,
     )
 
 

@@ -68,6 +68,7 @@ def pool_memory(
     pipeline_stages: int,
     ulysses_blocks: int,
     tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """The memory model for ``module`` on one rank of a pool (pure; see
     :func:`lightning_hydra.planner.memory.memory_capacity` for the terms).
@@ -86,6 +87,7 @@ def pool_memory(
         ulysses_blocks: Ulysses communicators this rank belongs to.
         tensor_parallel: TP degree (``pool`` counts TP groups; state and activations per rank divide as
             :mod:`lightning_hydra.planner.memory` says).
+        sequence_parallel: Sequence-parallel norms under TP (norm and residual-stream activations ``1 / T``).
     """
     return memory_capacity(
         memory_shape(module),
@@ -101,6 +103,7 @@ def pool_memory(
         communicator_bytes=NCCL_COMMUNICATOR_BYTES if device.type == "cuda" else 0.0,
         pipeline_stages=pipeline_stages,
         tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
     )
 
 

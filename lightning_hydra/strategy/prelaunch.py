@@ -44,7 +44,7 @@ from lightning_hydra.strategy.exits import LAUNCHER_PID_ENV, LauncherWatch, Rank
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
 from lightning_hydra.strategy.sizing import check_sizing
-from lightning_hydra.strategy.tensor import check_tensor_parallel
+from lightning_hydra.strategy.tensor import block_layout, check_sequence_parallel, check_tensor_parallel
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as HydraStrategy  # the HydraStrategy that launches
@@ -119,9 +119,10 @@ def preflight(
 
 
 def check_tensor(strategy: HydraStrategy, model: pl.LightningModule | None, world: int) -> int:
-    """Check ``tensor_parallel`` against the node, the world and the model's heads (one-line
-    :class:`~lightning_hydra.errors.ConfigError`, see :func:`~lightning_hydra.strategy.tensor.check_tensor_parallel`);
-    returns the TP degree."""
+    """Check ``tensor_parallel`` against the node, the world and the model's heads, and sequence parallelism against
+    the model's blocks (one-line :class:`~lightning_hydra.errors.ConfigError`, see
+    :func:`~lightning_hydra.strategy.tensor.check_tensor_parallel` and
+    :func:`~lightning_hydra.strategy.tensor.check_sequence_parallel`); returns the TP degree."""
     tensor = getattr(strategy, "tensor_parallel", 1)
     heads, kv_heads = model_heads(model) if model is not None else (None, None)
     config = strategy.planner_config
@@ -133,6 +134,14 @@ def check_tensor(strategy: HydraStrategy, model: pl.LightningModule | None, worl
         kv_heads=kv_heads,
         max_ulysses=config.max_ulysses,
     )
+    blocks = getattr(model, "transformer_blocks", None)
+    if getattr(strategy, "sequence_parallel", False) and callable(blocks):
+        for block in blocks():
+            try:
+                block_layout(block)
+            except TypeError:
+                continue  # not a block TP knows: set-up says so
+            check_sequence_parallel(block)
     return tensor
 
 

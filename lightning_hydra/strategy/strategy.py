@@ -101,6 +101,7 @@ class HydraStrategy(ParallelStrategy):
         memory_budget: int | float | str | None = None,
         pipeline_stages: int = 1,
         tensor_parallel: int = 1,
+        sequence_parallel: bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -148,6 +149,12 @@ class HydraStrategy(ParallelStrategy):
                 dimension, as torchtitan composes them), ``"hsdp"`` (FSDP2 over the pool split into ``("replicate",
                 "shard")``: a node's pool positions shard, nodes replicate), and any ``pipeline_stages`` (a stage's
                 blocks are split after the stage split).
+            sequence_parallel: Under TP, shard the residual stream between blocks and the norms by tokens over the
+                TP group (torch's ``SequenceParallel``: norm activations and block inputs are ``1 / T`` per rank; a
+                norm's output is all-gathered before the projections, o and down reduce-scatter instead of
+                all-reducing; norm weight gradients are summed over the group). ``None``: on when
+                ``tensor_parallel > 1``; ignored at ``tensor_parallel=1``. A Hugging Face layer with norms besides
+                the two pre-norms (Gemma's sandwich norms) is refused: pass ``False``.
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -191,6 +198,10 @@ class HydraStrategy(ParallelStrategy):
         self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
         self.tensor_parallel = _positive_int("tensor_parallel", tensor_parallel)
         check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
+        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
+        self.sequence_parallel = self.tensor_parallel > 1 and sequence_parallel is not False
+        """Whether the TP blocks run sequence-parallel norms (``sequence_parallel``, resolved against ``T``)."""
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -306,7 +317,9 @@ class HydraStrategy(ParallelStrategy):
         if self.runtime is None or self.runtime.closed:
             assert self.layout is not None
             tensor = self.tensor_parallel
-            kwargs: dict[str, Any] = {"tensor": tensor} if tensor > 1 else {}
+            kwargs: dict[str, Any] = (
+                {"tensor": tensor, "sequence_parallel": self.sequence_parallel} if tensor > 1 else {}
+            )
             if tensor > 1 and self.sharding == "hsdp":  # a node's pool positions shard, nodes replicate
                 kwargs["hsdp_shard"] = min(self.planner_config.ranks_per_node, self.layout.pool)
             self.runtime = (TensorPoolRuntime if tensor > 1 else PoolRuntime)(
@@ -352,6 +365,7 @@ class HydraStrategy(ParallelStrategy):
             pipeline_stages=self.pipeline_stages,
             ulysses_blocks=ulysses_blocks,
             tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def _resolve_capacity(self, ulysses_blocks: int) -> None:
@@ -384,9 +398,12 @@ class HydraStrategy(ParallelStrategy):
             rank_zero_info(f"HydraStrategy: {self.pipeline_stages} pipeline stages of {self.runtime.world_size} ranks")
         if isinstance(self.runtime, TensorPoolRuntime) and not self._parallelized:
             assert self.runtime.mesh is not None
-            blocks = parallelize(self.model, self.runtime.mesh["tp"])
+            blocks = parallelize(self.model, self.runtime.mesh["tp"], sequence_parallel=self.sequence_parallel)
             self._parallelized = True  # the model is split once, whatever fits follow
-            rank_zero_info(f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks")
+            rank_zero_info(
+                f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks"
+                + (", sequence-parallel norms" if self.sequence_parallel else "")
+            )
         self._setup_memory(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

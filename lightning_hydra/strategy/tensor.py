@@ -13,24 +13,47 @@ same tokens, and the CP groups of a step are formed once per TP rank over the po
 **Plans.** q/k/v and gate/up are ``ColwiseParallel`` (their weights' rows split over the TP group, inputs
 replicated: the backward all-reduces the input's gradient), o and down ``RowwiseParallel`` (the forward all-reduces
 the output). Norms and embedding stay replicated: their gradients are the same on every TP rank, so the pool's
-gradient sum treats them as a replica's. An untied LM head (``HydraModule.output_head()``: the reference
-decoder's, a Hugging Face CausalLM's) is split by vocabulary rows (:mod:`lightning_hydra.models.vocab_parallel`:
-its loss never gathers logits); a tied one stays whole. A rank idle in a microbatch is
-idle with its whole TP group (same pool position), so TP's collectives stay aligned.
+gradient sum treats them as a replica's. With sequence parallelism (``HydraStrategy(sequence_parallel=...)``, on by
+default under TP) the residual stream between blocks and the norms are split by tokens instead (see
+:func:`parallelize`): o and down reduce-scatter, each norm's output is all-gathered, and the norms' weights get
+partial gradients that are summed over the TP group before the pool's sum. An untied LM head
+(``HydraModule.output_head()``: the reference decoder's, a Hugging Face CausalLM's) is split by vocabulary rows
+(:mod:`lightning_hydra.models.vocab_parallel`: its loss never gathers logits); a tied one stays whole. A rank idle in
+a microbatch is idle with its whole TP group (same pool position), so TP's collectives stay aligned.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from lightning_hydra.errors import ConfigError
 
-__all__ = ["BLOCK_LAYOUTS", "MESH_DIMS", "block_plan", "check_tensor_parallel", "parallelize", "tensor_mesh"]
+__all__ = [
+    "BLOCK_LAYOUTS",
+    "MESH_DIMS",
+    "BlockLayout",
+    "block_layout",
+    "block_plan",
+    "check_sequence_parallel",
+    "check_tensor_parallel",
+    "parallelize",
+    "tensor_mesh",
+]
 
 MESH_DIMS = ("pp", "pool", "tp")
 """Names of the device mesh's dimensions, outermost first."""
@@ -112,32 +135,94 @@ def tensor_mesh(device_type: str, *, stages: int, pool: int, tensor: int, shard:
     return mesh
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """Module paths (relative to a block) of one family of transformer blocks that tensor parallelism splits.
+
+    Args:
+        colwise: Projections whose rows split over the TP group (q/k/v, gate/up).
+        rowwise: Projections whose columns split (o, down): their outputs are summed over the group.
+        norms: The block's two pre-norms (before attention, before the MLP), which sequence parallelism runs on
+            the local token shard.
+        sequence_dim: The token dimension of the block's hidden states (0: ``[t, h]``; 1: ``[1, t, h]``).
+    """
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    norms: tuple[str, str]
+    sequence_dim: int
+
+
 BLOCK_LAYOUTS = (
-    (("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate", "mlp.up"), ("attn.o_proj", "mlp.down")),
-    (
+    BlockLayout(
+        ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate", "mlp.up"),
+        ("attn.o_proj", "mlp.down"),
+        ("attn_norm", "mlp_norm"),
+        0,
+    ),
+    BlockLayout(
         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
         ("self_attn.o_proj", "mlp.down_proj"),
+        ("input_layernorm", "post_attention_layernorm"),
+        1,
     ),
 )
-"""``(colwise, rowwise)`` module paths of the blocks tensor parallelism knows: the reference decoder's, and Hugging
-Face Llama-family decoder layers' (whose attention views its projections with ``-1`` heads, so it runs on the
-``H / T`` local heads unchanged)."""
+"""The block families tensor parallelism knows: the reference decoder's, and Hugging Face Llama-family decoder
+layers' (whose attention views its projections with ``-1`` heads, so it runs on the ``H / T`` local heads
+unchanged)."""
 
 
-def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
-    """The TP plan of one transformer block (paths relative to the block): the first of :data:`BLOCK_LAYOUTS` whose
-    modules the block has; ``TypeError`` when none fits."""
+def block_layout(block: nn.Module) -> BlockLayout:
+    """The first of :data:`BLOCK_LAYOUTS` whose projections ``block`` has; ``TypeError`` when none fits."""
     names = {name for name, _ in block.named_modules()}
-    for colwise, rowwise in BLOCK_LAYOUTS:
-        if names.issuperset(colwise + rowwise):
-            return {**{n: ColwiseParallel() for n in colwise}, **{n: RowwiseParallel() for n in rowwise}}
+    for layout in BLOCK_LAYOUTS:
+        if names.issuperset(layout.colwise + layout.rowwise):
+            return layout
     raise TypeError(
         f"tensor parallelism knows the reference decoder's blocks and Hugging Face Llama-family decoder layers, "
         f"not {type(block).__name__}"
     )
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
+def check_sequence_parallel(block: nn.Module) -> BlockLayout:
+    """The block's layout when sequence parallelism can split it: its norms (direct children named ``*norm*``) are
+    exactly the layout's two pre-norms; otherwise a one-line :class:`~lightning_hydra.errors.ConfigError` (Gemma's
+    sandwich norms, OLMo-2's post-norms: a norm on the attention's or MLP's output would need its own plan)."""
+    layout = block_layout(block)
+    norms = {name for name, _ in block.named_children() if "norm" in name.lower()}
+    if norms != set(layout.norms):
+        other = ", ".join(sorted(norms.symmetric_difference(layout.norms)))
+        raise ConfigError(
+            f"sequence_parallel knows blocks whose norms are {' and '.join(layout.norms)}; "
+            f"{type(block).__name__} differs in {other}: pass sequence_parallel=False"
+        )
+    return layout
+
+
+def block_plan(block: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The TP plan of one transformer block (paths relative to the block).
+
+    Without sequence parallelism: ``ColwiseParallel`` q/k/v and gate/up (replicated input), ``RowwiseParallel`` o
+    and down (output all-reduced to replicated); norms untouched. With it, the block's input and output are
+    DTensors sharded on the token dimension: each norm is ``SequenceParallel`` (replicated weight, the local token
+    shard in and out), then gathered to replicated for the projections (see :func:`parallelize`); o and down
+    reduce-scatter their outputs onto the token shards.
+
+    Args:
+        block: A block of one of :data:`BLOCK_LAYOUTS`.
+        sequence_parallel: Shard the residual stream and the norms over the TP group by tokens.
+    """
+    layout = check_sequence_parallel(block) if sequence_parallel else block_layout(block)
+    plan: dict[str, ParallelStyle] = {n: ColwiseParallel() for n in layout.colwise}
+    if not sequence_parallel:
+        return {**plan, **{n: RowwiseParallel() for n in layout.rowwise}}
+    tokens = Shard(layout.sequence_dim)
+    plan.update({n: RowwiseParallel(output_layouts=tokens, use_local_output=False) for n in layout.rowwise})
+    plan.update({n: SequenceParallel(sequence_dim=layout.sequence_dim) for n in layout.norms})
+    return plan
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> int:
     """Split every transformer block of ``model`` over the 1-D TP ``mesh``, in place; returns the blocks split.
 
     Each block's projections become DTensor shards (:func:`block_plan`); its attention then holds ``H / T`` query
@@ -146,9 +231,20 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
     CausalLM's) is split by vocabulary rows when it is untied and ``T`` divides them: its loss is
     :func:`~lightning_hydra.models.vocab_parallel.vocab_parallel_cross_entropy`; a tied head stays whole.
 
+    With ``sequence_parallel`` the residual stream between blocks is a DTensor sharded over the TP group by
+    tokens (``torch.chunk``'s split: uneven and empty shards allowed, the global length travels with the DTensor):
+    the first block's input is split (no communication; its backward all-gathers the gradient), each norm runs on
+    the local shard and its output is all-gathered for the projections (backward: one reduce-scatter of q/k/v's,
+    or gate/up's, summed input gradient), o and down reduce-scatter, and the last block's output is all-gathered
+    (a pipeline stage splits and gathers its own blocks: stages exchange whole activations). The attention sees
+    the whole local chunk, so CP needs no change. The norms' weights are replicated DTensors whose gradients are
+    partial sums over the group (each rank saw ``1 / T`` of the tokens):
+    :func:`~lightning_hydra.strategy.tensor_pool.sum_partial_gradients` (or FSDP2) sums them.
+
     Args:
         model: A :class:`~lightning_hydra.HydraModule` whose ``transformer_blocks()`` fit :data:`BLOCK_LAYOUTS`.
         mesh: The ``"tp"`` dimension of :func:`tensor_mesh`.
+        sequence_parallel: Shard the norms and the residual stream by tokens (see above).
     """
     tensor = mesh.size()
     blocks: list[Any] = model.transformer_blocks()  # type: ignore[operator]
@@ -158,10 +254,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
             raise ConfigError(
                 f"tensor_parallel={tensor} must divide {attention.heads} heads and {attention.kv_heads} KV heads"
             )
-        parallelize_module(block, mesh, block_plan(block))
+        parallelize_module(block, mesh, block_plan(block, sequence_parallel=sequence_parallel))
+        if sequence_parallel:
+            layout = block_layout(block)
+            gather = PrepareModuleOutput(
+                output_layouts=Shard(layout.sequence_dim), desired_output_layouts=Replicate(), use_local_output=False
+            )
+            for norm in layout.norms:  # after SequenceParallel's own output hook
+                parallelize_module(block.get_submodule(norm), mesh, gather)
         if attention is not None:
             attention.heads //= tensor
             attention.kv_heads //= tensor
+    if sequence_parallel and blocks:
+        dim = block_layout(blocks[0]).sequence_dim
+        blocks[0].register_forward_pre_hook(partial(_split_tokens, mesh, dim), with_kwargs=True)
+        blocks[-1].register_forward_hook(_gather_tokens)
     find = getattr(model, "output_head", None)
     head = find() if callable(find) else getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and head.out_features % tensor == 0 and not _tied(model, head.weight):
@@ -169,6 +276,32 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> int:
         # for (no labels), are gathered
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
     return len(blocks)
+
+
+def _split_tokens(
+    mesh: DeviceMesh, dim: int, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the first block: its (replicated) hidden states become this rank's token shard."""
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            return x
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)])
+
+    if args:
+        return (split(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
+
+
+def _gather_tokens(module: nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook of the last block: its token-sharded output gathered to the whole (plain) hidden states."""
+
+    def gather(x: Any) -> Any:
+        return x.redistribute(x.device_mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+
+    if isinstance(output, tuple):
+        return (gather(output[0]), *output[1:])
+    return gather(output)
 
 
 def _tied(model: nn.Module, weight: nn.Parameter) -> bool:

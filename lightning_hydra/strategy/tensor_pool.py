@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_hydra.planner import CostModel, Group
 from lightning_hydra.strategy.pipeline import PipelineLayout
@@ -23,12 +23,43 @@ from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.runtime import GradientSync
 from lightning_hydra.strategy.tensor import tensor_mesh
 
-__all__ = ["TensorGradientSync", "TensorPoolRuntime"]
+__all__ = ["TensorGradientSync", "TensorPoolRuntime", "sum_partial_gradients"]
+
+
+def sum_partial_gradients(params: list[nn.Parameter]) -> int:
+    """Sum every gradient that is a partial DTensor over its mesh, in one flat all-reduce per mesh and dtype, and
+    give it its parameter's placements; returns the gradients summed.
+
+    Under sequence parallelism a norm's weight is replicated over the TP group but each TP rank saw ``1 / T`` of
+    the tokens: its gradient is ``Partial``. The TP ranks of a pool position run the same microbatches (an idle
+    position is idle with its whole group), so they hold the same partial gradients and call the same collectives.
+
+    Args:
+        params: The parameters whose gradients to complete (those without one are skipped).
+    """
+    groups: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            groups.setdefault((id(g.device_mesh), g.dtype), []).append(p)
+    for members in groups.values():
+        mesh = members[0].grad.device_mesh  # type: ignore[union-attr]
+        locals_ = [p.grad.to_local() for p in members]  # type: ignore[union-attr]
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group())
+        offset = 0
+        for p, g in zip(members, locals_, strict=True):
+            full = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+            placements = p.placements if isinstance(p, DTensor) else (Replicate(),) * mesh.ndim
+            p.grad = DTensor.from_local(full, mesh, placements, run_check=False)
+    return sum(len(m) for m in groups.values())
 
 
 class TensorGradientSync:
     """Sums this rank's gradients (DTensor shards as their local tensors) over the pool in one flat all-reduce per
-    dtype after the step's last backward (not overlapped with it)."""
+    dtype after the step's last backward (not overlapped with it); partial gradients (sequence-parallel norms) are
+    first summed over the TP group (:func:`sum_partial_gradients`)."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
         """Args:
@@ -49,7 +80,9 @@ class TensorGradientSync:
         return False
 
     def finish(self) -> None:
-        """Sum every gradient over the pool (a rank whose parameter got none contributes zeros)."""
+        """Sum every gradient over the TP group where it is partial, then over the pool (a rank whose parameter got
+        none contributes zeros)."""
+        sum_partial_gradients(self.params)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self.params:
             if p.grad is None:
@@ -75,9 +108,19 @@ class TensorPoolRuntime(PoolRuntime):
     pipeline's links, the stage sums and the world gathers of :class:`PoolRuntime` address global ranks.
     """
 
-    def __init__(self, *, tensor: int, world_rank: int, hsdp_shard: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        tensor: int,
+        world_rank: int,
+        hsdp_shard: int | None = None,
+        sequence_parallel: bool = False,
+        **kwargs: Any,
+    ) -> None:
         """Args:
         tensor: The TP degree ``T``.
+        sequence_parallel: Whether the blocks run sequence-parallel (the analytic cost model counts TP's
+            collectives accordingly).
         hsdp_shard: Pool positions of one node under ``sharding="hsdp"`` (the mesh then splits the pool into
             ``("replicate", "shard")``, see :func:`~lightning_hydra.strategy.tensor.tensor_mesh`); ``None``: not hsdp.
         world_rank: This rank in the default process group.
@@ -89,6 +132,7 @@ class TensorPoolRuntime(PoolRuntime):
         self.layout = PipelineLayout(stages=self.positions.stages, pool=self.positions.pool * tensor)
         self.tensor = tensor
         self.hsdp_shard = hsdp_shard
+        self.sequence_parallel = sequence_parallel
         self.tensor_rank = world_rank % tensor
         self.world_rank = world_rank
         self.mesh: DeviceMesh | None = None
@@ -107,7 +151,11 @@ class TensorPoolRuntime(PoolRuntime):
     def cost_model(self) -> CostModel:
         """The cost model plans use now: given, calibrated, or the module's analytic one for a TP rank."""
         if self._cost is None:
-            self._cost = self._with_node(self.module.cost_model(tensor_parallel=self.tensor))  # type: ignore[union-attr]
+            self._cost = self._with_node(
+                self.module.cost_model(  # type: ignore[union-attr]
+                    tensor_parallel=self.tensor, sequence_parallel=self.sequence_parallel
+                )
+            )
         return self._cost
 
     @cost_model.setter
