@@ -330,8 +330,16 @@ def test_memory_headroom_is_the_planners_memory_model():
     direct = memory_capacity(
         shape, budget=80e9, sharding="zero2", precision="bf16-mixed", checkpointing="selective", world_size=64,
         ranks_per_node=1, num_microbatches=16, margin=0.0, multiple_of=1, pipeline_stages=4, tensor_parallel=8,
+        sequence_parallel=True,
     )  # fmt: skip
-    assert memory == direct
+    assert job.sequence_parallel and memory == direct
+    whole = job_memory(
+        Job(**{**job.__dict__, "sequence_parallel": False}),
+        model,
+        scenario.hardware,
+        ranks_per_node=scenario.node_size(),
+    )
+    assert whole.per_token["total"] > memory.per_token["total"]  # without SP each block's input is whole on a TP rank
     assert memory_headroom(memory, 0) == pytest.approx(1 - (sum(direct.state.values()) + direct.communicators) / 80e9)
     assert memory_headroom(memory, memory.capacity) >= 0 > memory_headroom(memory, memory.capacity + 1)
     zero3 = job_memory(

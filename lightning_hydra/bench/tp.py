@@ -2,14 +2,15 @@
 
 ``python -m lightning_hydra.bench.tp`` prints JSON with, for the same global batch on 4 gloo ranks (a replica per
 rank over a pool of 4, or TP 2 over a pool of 2, whose TP ranks split the blocks of a pool position holding twice
-the tokens):
+the tokens, without (``tp2``) and with (``tp2_sp``) sequence parallelism):
 
 - ``bytes``: bytes one rank holds of parameters, gradients and AdamW state (local shards), and the activation bytes
   autograd saves in its step (distinct tensors, parameters excluded), measured from the tensors;
 - ``busy_s``: per-rank busy (thread CPU) seconds of a training step (median over steps, mean over ranks), and TP's
   ratio to the replica's (measured in the same run; CPU threads, not a GPU's timing);
 - ``llama3_70b_capacity``: ``max_tokens_per_rank="auto"`` of a Llama-3-70B shape at 256 GPUs on 80 GB per TP degree
-  (zero3, selective checkpointing, bf16-mixed, AdamW) from the memory model (not a measurement);
+  (zero3, selective checkpointing, bf16-mixed, AdamW), with and without sequence parallelism, from the memory model
+  (not a measurement);
 - ``simulated_2048``: the simulator's 2,048-GPU job (``recipes/sim-2048-256k-pp.yaml``, a Llama-3-70B shape at 256K
   over PP 4) as written, TP 8 (a pool of 64; the planner's cost model at ``tensor_parallel=8``), and with TP not
   modelled, TP 1 (a pool of 512 whose ranks hold an eighth of the tokens, the same global batch): tokens per
@@ -37,7 +38,7 @@ LLAMA3_70B = ModelMemoryShape.for_decoder(8192, 80, 64, 8, 28672, 128256)
 """Llama-3-70B's shape (untied embeddings)."""
 
 
-def _worker(rank: int, world: int, tensor: int, steps: int, tokens: int, hidden: int) -> dict:
+def _worker(rank: int, world: int, tensor: int, sequence_parallel: bool, steps: int, tokens: int, hidden: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lightning_hydra import DecoderLM
@@ -53,7 +54,7 @@ def _worker(rank: int, world: int, tensor: int, steps: int, tokens: int, hidden:
     pool = world // tensor
     if tensor > 1:
         mesh = tensor_mesh("cpu", stages=1, pool=pool, tensor=tensor)
-        parallelize(model, mesh["tp"])
+        parallelize(model, mesh["tp"], sequence_parallel=sequence_parallel)
         sync = TensorGradientSync(list(model.parameters()), mesh["pool"].get_group())
     else:
         sync = GradientReducer(list(model.parameters()))
@@ -131,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=256, help="model width of the measured DecoderLM")
     parser.add_argument("--sim-steps", type=int, default=None, help="global batches of the simulated job (recipe's)")
     args = parser.parse_args(argv)
-    runs = {f"tp{t}": run_world(4, _worker, t, args.steps, args.tokens, args.hidden, timeout=1800) for t in (1, 2)}
+    configs = {"tp1": (1, False), "tp2": (2, False), "tp2_sp": (2, True)}
+    runs = {
+        name: run_world(4, _worker, t, sp, args.steps, args.tokens, args.hidden, timeout=1800)
+        for name, (t, sp) in configs.items()
+    }
     summary = {}
     for name, ranks in runs.items():
         keys = ranks[0]["bytes"]
@@ -139,22 +144,32 @@ def main(argv: list[str] | None = None) -> None:
             "bytes": {k: max(r["bytes"][k] for r in ranks) for k in keys},
             "busy_s": sum(r["busy_s"] for r in ranks) / len(ranks),
         }
-    ratios = {k: summary["tp2"]["bytes"][k] / v for k, v in summary["tp1"]["bytes"].items() if v}
+
+    def ratios(name: str) -> dict[str, float]:
+        base, run = summary["tp1"], summary[name]
+        return {
+            **{f"{k}_bytes": run["bytes"][k] / v for k, v in base["bytes"].items() if v},
+            "busy": run["busy_s"] / base["busy_s"],
+        }
+
     capacity = {
-        t: memory_capacity(
-            LLAMA3_70B, budget=80e9, sharding="zero3", precision="bf16-mixed", checkpointing="selective",
-            world_size=256 // t, ranks_per_node=8 // t, num_microbatches=4, tensor_parallel=t,
-        ).capacity
-        for t in (1, 2, 4, 8)
+        label: {
+            t: memory_capacity(
+                LLAMA3_70B, budget=80e9, sharding="zero3", precision="bf16-mixed", checkpointing="selective",
+                world_size=256 // t, ranks_per_node=8 // t, num_microbatches=4, tensor_parallel=t,
+                sequence_parallel=sp and t > 1,
+            ).capacity
+            for t in (1, 2, 4, 8)
+        }
+        for label, sp in (("sequence_parallel", True), ("no_sequence_parallel", False))
     }  # fmt: skip
     result = {
         "setup": {"ranks": 4, "global_tokens": 4 * args.tokens, "hidden": args.hidden, "layers": 4, "heads": 8},
         "replica": summary["tp1"],
         "tp2": summary["tp2"],
-        "tp2_vs_replica": {
-            **{f"{k}_bytes": v for k, v in ratios.items()},
-            "busy": summary["tp2"]["busy_s"] / summary["tp1"]["busy_s"],
-        },
+        "tp2_sp": summary["tp2_sp"],
+        "tp2_vs_replica": ratios("tp2"),
+        "tp2_sp_vs_replica": ratios("tp2_sp"),
         "llama3_70b_capacity": capacity,
         "simulated_2048": simulated_2048(args.sim_steps),
     }
