@@ -420,11 +420,11 @@ about 0.4 at initialisation: a cap of 0.2 bends them)."""
         ("tied", {"tie_word_embeddings": True}, 1, True, "none"),
         ("pp2", {}, 2, True, "selective"),
         ("granite", {"model_type": "granite", "logits_scaling": 4.0, "residual_multiplier": 0.5}, 1, True, "none"),
-        ("gemma2", GEMMA2_SOFTCAP, 1, False, "none"),  # sandwich norms: TP without SP
+        ("gemma2", GEMMA2_SOFTCAP, 1, None, "none"),  # sandwich norms: the default is TP without SP
     ],
 )
 def test_hf_tp2_trains_like_one_process(
-    tmp_path: Path, variant: str, config: dict, stages: int, sequence_parallel: bool, checkpointing: str
+    tmp_path: Path, variant: str, config: dict, stages: int, sequence_parallel: bool | None, checkpointing: str
 ) -> None:
     """A Hugging Face model splits by the Llama-family plan (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj; with
     sequence parallelism input_layernorm and post_attention_layernorm on ``[1, t / T, h]`` token shards) and its
@@ -479,8 +479,8 @@ def test_hf_tp2_trains_like_one_process(
 
 
 def test_sequence_parallel_refuses_sandwich_norms_before_launch() -> None:
-    """Gemma-2's layers norm the attention's and the MLP's outputs too (pre/post_feedforward_layernorm): sequence
-    parallelism stops with one line before launch; without it the TP plan applies."""
+    """Gemma-2's layers norm the attention's and the MLP's outputs too (pre/post_feedforward_layernorm): asked for,
+    sequence parallelism stops with one line before launch; by default it is off for them (the TP plan applies)."""
     from transformers import AutoModelForCausalLM, Gemma2Config
 
     from lightning_hydra.strategy.tensor import block_plan, check_sequence_parallel
@@ -498,13 +498,18 @@ def test_sequence_parallel_refuses_sandwich_norms_before_launch() -> None:
         def transformer_blocks(self) -> list[torch.nn.Module]:
             return [layer]
 
-    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256, sequence_parallel=True)
     strategy.parallel_devices = [torch.device("cpu")] * 4
     with pytest.raises(ConfigError, match=message):
         preflight(strategy, Gemma(hidden_size=32, num_heads=4, num_kv_heads=2), None)
-    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256, sequence_parallel=False)
-    strategy.parallel_devices = [torch.device("cpu")] * 4
-    preflight(strategy, Gemma(hidden_size=32, num_heads=4, num_kv_heads=2), None)
+    for asked in (None, False):  # the default turns it off for these blocks; False asks for that
+        strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256, sequence_parallel=asked)
+        strategy.parallel_devices = [torch.device("cpu")] * 4
+        assert strategy.sequence_parallel is (asked is None)
+        preflight(strategy, Gemma(hidden_size=32, num_heads=4, num_kv_heads=2), None)
+        assert strategy.sequence_parallel is False
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
+    assert strategy.resolve_sequence_parallel(DecoderLM(hidden_size=32, num_heads=4, num_kv_heads=2)) is True
 
 
 def _vocab_parallel_against_whole(rank: int, world: int, softcap: float | None = None) -> list:
@@ -560,3 +565,30 @@ def test_vocab_parallel_loss_equals_the_whole_heads(softcap: float | None) -> No
         assert differences[6] == 129  # each rank holds half the vocabulary's rows and their gradient
         # two all-reduces per chunk of 8 tokens (5 chunks): the maximum of [row maximum, target logit], then the sum
         assert differences[7] == [16, 8, 16, 8, 16, 8, 16, 8, 10, 5]
+
+
+def test_tensor_parallel_refuses_norms_across_all_heads_before_launch() -> None:
+    """OLMo-2 normalises q and k across all heads (``q_norm`` as wide as q_proj's output): TP, which splits the
+    heads, stops with one line before launch; Qwen3's per-head ``q_norm`` and Llama's layers split."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Olmo2Config, Qwen3Config
+
+    from lightning_hydra.strategy.tensor import check_tensor_block
+
+    shape = {"vocab_size": 258, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    olmo = AutoModelForCausalLM.from_config(Olmo2Config(**shape)).model.layers[0]
+    message = r"tensor_parallel=2 cannot split Olmo2DecoderLayer: self_attn.q_norm.weight \(32 values\) spans the whole"
+    with pytest.raises(ConfigError, match=message) as info:
+        check_tensor_block(olmo, 2)
+    assert "\n" not in str(info.value)
+    for config in (Qwen3Config(**shape, head_dim=8), LlamaConfig(**shape)):
+        check_tensor_block(AutoModelForCausalLM.from_config(config).model.layers[0], 2)
+
+    class Olmo(DecoderLM):  # a HydraModule whose blocks are OLMo-2 layers
+        def transformer_blocks(self) -> list[torch.nn.Module]:
+            return [olmo]
+
+    strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    with pytest.raises(ConfigError, match=message):
+        preflight(strategy, Olmo(hidden_size=32, num_heads=4, num_kv_heads=2), None)

@@ -44,7 +44,7 @@ from lightning_hydra.strategy.exits import LAUNCHER_PID_ENV, LauncherWatch, Rank
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
 from lightning_hydra.strategy.sizing import check_sizing
-from lightning_hydra.strategy.tensor import block_layout, check_sequence_parallel, check_tensor_parallel
+from lightning_hydra.strategy.tensor import check_tensor_block, check_tensor_parallel
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as HydraStrategy  # the HydraStrategy that launches
@@ -119,10 +119,10 @@ def preflight(
 
 
 def check_tensor(strategy: HydraStrategy, model: pl.LightningModule | None, world: int) -> int:
-    """Check ``tensor_parallel`` against the node, the world and the model's heads, and sequence parallelism against
-    the model's blocks (one-line :class:`~lightning_hydra.errors.ConfigError`, see
+    """Check ``tensor_parallel`` against the node, the world and the model's heads, and resolve sequence parallelism
+    against the model's blocks (one-line :class:`~lightning_hydra.errors.ConfigError`, see
     :func:`~lightning_hydra.strategy.tensor.check_tensor_parallel` and
-    :func:`~lightning_hydra.strategy.tensor.check_sequence_parallel`); returns the TP degree."""
+    :func:`~lightning_hydra.strategy.tensor.resolve_sequence_parallel`); returns the TP degree."""
     tensor = getattr(strategy, "tensor_parallel", 1)
     heads, kv_heads = model_heads(model) if model is not None else (None, None)
     config = strategy.planner_config
@@ -135,13 +135,15 @@ def check_tensor(strategy: HydraStrategy, model: pl.LightningModule | None, worl
         max_ulysses=config.max_ulysses,
     )
     blocks = getattr(model, "transformer_blocks", None)
-    if getattr(strategy, "sequence_parallel", False) and callable(blocks):
+    if tensor > 1 and callable(blocks):
         for block in blocks():
             try:
-                block_layout(block)
+                check_tensor_block(block, tensor)
             except TypeError:
                 continue  # not a block TP knows: set-up says so
-            check_sequence_parallel(block)
+    resolve = getattr(strategy, "resolve_sequence_parallel", None)
+    if callable(resolve) and model is not None:
+        resolve(model)
     return tensor
 
 

@@ -53,7 +53,7 @@ from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.prelaunch import CheckedSubprocessLauncher, SpawnLauncher
 from lightning_hydra.strategy.runtime import model_heads, with_node_size
 from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model, sync_module_states
-from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize
+from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, resolve_sequence_parallel
 from lightning_hydra.strategy.tensor_pool import TensorPoolRuntime
 
 __all__ = ["HydraStrategy"]
@@ -153,8 +153,9 @@ class HydraStrategy(ParallelStrategy):
                 TP group (torch's ``SequenceParallel``: norm activations and block inputs are ``1 / T`` per rank; a
                 norm's output is all-gathered before the projections, o and down reduce-scatter instead of
                 all-reducing; norm weight gradients are summed over the group). ``None``: on when
-                ``tensor_parallel > 1``; ignored at ``tensor_parallel=1``. A Hugging Face layer with norms besides
-                the two pre-norms (Gemma's sandwich norms) is refused: pass ``False``.
+                ``tensor_parallel > 1`` for blocks it can split, off (with a message) for a Hugging Face layer with
+                norms besides its two pre-norms (Gemma's sandwich norms); ``True`` refuses such a layer before
+                launch; ignored at ``tensor_parallel=1``.
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -200,8 +201,10 @@ class HydraStrategy(ParallelStrategy):
         check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
         if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
+        self._sequence_parallel_asked = sequence_parallel
         self.sequence_parallel = self.tensor_parallel > 1 and sequence_parallel is not False
-        """Whether the TP blocks run sequence-parallel norms (``sequence_parallel``, resolved against ``T``)."""
+        """Whether the TP blocks run sequence-parallel norms (``sequence_parallel`` resolved against ``T``, and against
+        the model's blocks by :meth:`resolve_sequence_parallel`)."""
         self.layout: PipelineLayout | None = None
         """Stages x pool (after set-up)."""
         self.sharding = sharding
@@ -313,9 +316,32 @@ class HydraStrategy(ParallelStrategy):
         check_pool(self.layout.pool, self.planner_config.ranks_per_node)
         self._setup_runtime()
 
+    def resolve_sequence_parallel(self, module: pl.LightningModule) -> bool:
+        """Resolve :attr:`sequence_parallel` against ``module``'s blocks (before launch and at set-up, before the
+        runtime's cost model and the memory model read it): ``sequence_parallel=None`` turns it off, with a message,
+        for blocks it cannot split (Gemma's sandwich norms); ``True`` raises a one-line ``ConfigError`` for them.
+
+        Args:
+            module: The model to train (its ``transformer_blocks()``).
+        """
+        blocks = getattr(module, "transformer_blocks", None)
+        if not self.sequence_parallel or not callable(blocks):
+            return self.sequence_parallel
+        self.sequence_parallel = resolve_sequence_parallel(
+            self._sequence_parallel_asked, self.tensor_parallel, blocks()
+        )
+        if not self.sequence_parallel:
+            rank_zero_info(
+                f"HydraStrategy: sequence parallelism off: {type(module).__name__}'s blocks have norms besides their "
+                "two pre-norms (tensor parallelism without it)"
+            )
+        return self.sequence_parallel
+
     def _setup_runtime(self) -> None:
         if self.runtime is None or self.runtime.closed:
             assert self.layout is not None
+            if self.lightning_module is not None:
+                self.resolve_sequence_parallel(self.lightning_module)
             tensor = self.tensor_parallel
             kwargs: dict[str, Any] = (
                 {"tensor": tensor, "sequence_parallel": self.sequence_parallel} if tensor > 1 else {}

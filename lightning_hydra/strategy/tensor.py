@@ -50,8 +50,10 @@ __all__ = [
     "block_layout",
     "block_plan",
     "check_sequence_parallel",
+    "check_tensor_block",
     "check_tensor_parallel",
     "parallelize",
+    "resolve_sequence_parallel",
     "tensor_mesh",
 ]
 
@@ -199,6 +201,60 @@ def check_sequence_parallel(block: nn.Module) -> BlockLayout:
     return layout
 
 
+def check_tensor_block(block: nn.Module, tensor: int) -> BlockLayout:
+    """The block's layout when TP can split it: no parameter outside its projections spans the whole output width
+    of a projection TP splits (OLMo-2's ``q_norm``/``k_norm`` normalise all heads together, where Qwen3's are one
+    head wide and run on the local heads unchanged); otherwise a one-line
+    :class:`~lightning_hydra.errors.ConfigError`. ``TypeError`` when the block is not one of :data:`BLOCK_LAYOUTS`.
+
+    Args:
+        block: A transformer block.
+        tensor: The TP degree ``T``.
+    """
+    layout = block_layout(block)
+    widths = {
+        getattr(block.get_submodule(name), "out_features", None): name for name in layout.colwise
+    }  # a split projection's whole output width
+    planned = tuple(f"{name}." for name in layout.colwise + layout.rowwise)
+    inside = tuple({name.rpartition(".")[0] + "." for name in layout.colwise})  # the attention and the MLP
+    for name, param in block.named_parameters():
+        if name.startswith(inside) and not name.startswith(planned) and param.numel() in widths:
+            raise ConfigError(
+                f"tensor_parallel={tensor} cannot split {type(block).__name__}: {name} ({param.numel()} values) "
+                f"spans the whole output of {widths[param.numel()]}, which TP splits; use tensor_parallel=1"
+            )
+    return layout
+
+
+def resolve_sequence_parallel(asked: bool | None, tensor: int, blocks: list[nn.Module]) -> bool:
+    """Whether the blocks run sequence-parallel: ``asked`` (``HydraStrategy(sequence_parallel=...)``) against ``T``
+    and the model's blocks.
+
+    ``None`` turns it on when ``tensor > 1`` and every block TP knows has only the two pre-norms, and off otherwise
+    (Gemma's sandwich norms: TP without SP); ``True`` with such a block raises
+    :func:`check_sequence_parallel`'s one-line :class:`~lightning_hydra.errors.ConfigError`.
+
+    Args:
+        asked: The user's setting (``None``: as the model allows).
+        tensor: The TP degree ``T`` (``1``: no sequence parallelism).
+        blocks: The model's ``transformer_blocks()``.
+    """
+    if tensor == 1 or asked is False:
+        return False
+    for block in blocks:
+        try:
+            block_layout(block)
+        except TypeError:
+            continue  # not a block TP knows: set-up says so
+        try:
+            check_sequence_parallel(block)
+        except ConfigError:
+            if asked:
+                raise
+            return False
+    return True
+
+
 def block_plan(block: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The TP plan of one transformer block (paths relative to the block).
 
@@ -254,6 +310,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
             raise ConfigError(
                 f"tensor_parallel={tensor} must divide {attention.heads} heads and {attention.kv_heads} KV heads"
             )
+        check_tensor_block(block, tensor)
         parallelize_module(block, mesh, block_plan(block, sequence_parallel=sequence_parallel))
         if sequence_parallel:
             layout = block_layout(block)
