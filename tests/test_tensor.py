@@ -216,7 +216,19 @@ def test_sequence_parallel_splits_uneven_token_counts_exactly(tokens: int, mode:
         assert partial == 4  # two norms in each of two blocks
 
 
-def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype, sequence_parallel: bool) -> dict[str, float]:
+def _memory_model(kind: str) -> torch.nn.Module:
+    """The reference decoder, or a Hugging Face Llama of the same shape (selective checkpointing by units)."""
+    torch.manual_seed(0)
+    if kind == "hf":
+        from lightning_hydra.models.hf import HFCausalLM
+
+        return HFCausalLM(config={**HF_CONFIG, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 3})
+    return DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384)
+
+
+def _saved_on_tp_rank(
+    rank: int, world: int, dtype: torch.dtype, sequence_parallel: bool, kind: str = "decoder"
+) -> dict[str, float]:
     """Bytes per token of the distinct tensors autograd saves in one forward on this TP rank (local shards;
     parameters excluded), for both checkpointing modes."""
     from torch.distributed.tensor import DTensor
@@ -224,8 +236,7 @@ def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype, sequence_parall
     def local(x: torch.Tensor) -> torch.Tensor:
         return x.to_local() if isinstance(x, DTensor) else x
 
-    torch.manual_seed(0)
-    model = DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384).to(dtype)
+    model = _memory_model(kind).to(dtype)
     parallelize(model, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"], sequence_parallel=sequence_parallel)
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     tokens, out = 512, {}
@@ -249,12 +260,26 @@ def _saved_on_tp_rank(rank: int, world: int, dtype: torch.dtype, sequence_parall
     return out
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tp_activation_model_matches_what_autograd_saves(dtype: torch.dtype, sequence_parallel: bool) -> None:
-    measured = run_world(2, _saved_on_tp_rank, dtype, sequence_parallel)
+@pytest.mark.parametrize(
+    ("kind", "dtype", "sequence_parallel"),
+    [
+        ("decoder", torch.float32, False),
+        ("decoder", torch.float32, True),
+        ("decoder", torch.bfloat16, False),
+        ("decoder", torch.bfloat16, True),
+        ("hf", torch.float32, False),
+        ("hf", torch.float32, True),
+    ],
+)
+def test_tp_activation_model_matches_what_autograd_saves(
+    kind: str, dtype: torch.dtype, sequence_parallel: bool
+) -> None:
+    """The memory model's activation bytes per token on a TP-2 rank within 2% of autograd's, for the reference
+    decoder (selective checkpointing by blocks) and a Hugging Face Llama (by units: it keeps the norms' outputs)."""
+    measured = run_world(2, _saved_on_tp_rank, dtype, sequence_parallel, kind)
     assert measured[0] == measured[1]
-    shape = memory_shape(DecoderLM(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=384))
+    shape = memory_shape(_memory_model(kind))
+    assert shape.selective == ("units" if kind == "hf" else "block")
     precision = "32-true" if dtype == torch.float32 else "bf16-true"
     for mode, saved in measured[0].items():
         kw = {"checkpointing": mode, "precision": precision, "tensor_parallel": 2}

@@ -156,6 +156,8 @@ class DecoderLM(HydraModule):
     :class:`~lightning_hydra.HydraStrategy`.
     """
 
+    selective_checkpointing = "block"  # Block recomputes its norms with q/k/v and the MLP
+
     def __init__(
         self,
         vocab_size: int = 258,

@@ -48,6 +48,11 @@ class HydraModule(pl.LightningModule):
     ``self.hydra_cp.attention(q, k, v)``.
     """
 
+    selective_checkpointing: str = "units"
+    """What :meth:`set_activation_checkpointing` recomputes, for the memory model
+    (:attr:`~lightning_hydra.planner.memory.ModelMemoryShape.selective`): ``"units"``, each norm and MLP alone (this
+    default), or ``"block"``, a block's norms with its projections (the reference decoder)."""
+
     def __init__(
         self,
         *,

@@ -50,6 +50,11 @@ and head run on the gathered tokens (unchanged)::
     none:       (8 h + 2 A h) / T + 2 A h + (A (2 h + 2 kv) + 4 H + 4 A f) / T
     selective:  (A h + A (2 h + 2 kv) + 4 H) / T
 
+Selective checkpointing by units (``ModelMemoryShape.selective="units"``: Hugging Face layers, each norm and the
+MLP recomputed alone) keeps both norms' inputs and their (gathered) outputs, the projections' inputs, per block::
+
+    selective:  2 A h / T' + 2 A h + (A (2 h + 2 kv) + 4 H) / T      (T' = T with sequence parallelism, else 1)
+
 Everything here is an estimate: on a GPU the true peak also depends on the allocator and kernels' workspaces
 (the margin covers them); it has not been checked against a GPU's measured peak yet.
 """
@@ -122,6 +127,12 @@ class ModelMemoryShape:
     """MLP width ``f``."""
     vocab_size: int
     """Vocabulary (the embedding and head stay unsharded under zero3)."""
+    selective: str = "block"
+    """What selective checkpointing keeps of a block: ``"block"`` (the reference decoder's
+    :class:`~lightning_hydra.models.decoder.Block` recomputes its norms with q/k/v and the MLP, keeping the block
+    input and attention's outputs) or ``"units"`` (:func:`~lightning_hydra.models.checkpointing.selective_units`,
+    Hugging Face layers: each norm and the MLP recompute alone, so the norms' inputs and their outputs, the
+    projections' inputs, stay saved too: ``2 A h`` more per block, and the norm inputs ``A h`` each)."""
 
     @classmethod
     def for_decoder(
@@ -262,7 +273,9 @@ def activation_bytes_per_token(
     norms = 1 / t if sequence_parallel else 1.0  # the share of the tokens the norms and the residual stream see
     # the norms' float32 inputs and normalised outputs (on the token shard under SP), their (gathered) outputs
     full = (8 * h + 2 * a * h) * norms + 2 * a * h + (split + a * 4 * f) / t
-    if checkpointing == "selective":
+    if checkpointing == "selective" and shape.selective == "units":  # two norm inputs, two gathered norm outputs
+        block = 2 * a * h * norms + 2 * a * h + split / t
+    elif checkpointing == "selective":
         block = a * h * norms + split / t
     elif checkpointing == "none":
         block = full

@@ -35,6 +35,7 @@ def memory_shape(module: Any) -> ModelMemoryShape:
         num_kv_heads=int(s.get("num_kv_heads") or heads),
         ffn_hidden_size=int(s.get("ffn_hidden_size") or 4 * hidden),
         vocab_size=int(s.get("vocab_size") or 32000),
+        selective=getattr(module, "selective_checkpointing", "units"),
     )
 
 
