@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -276,7 +277,8 @@ def test_plan_times_include_tensor_parallel_collectives():
         free = plan_times(plan, **{**timing, "hardware": hw.replace(tp_latency=0.0, intra_node_bandwidth=1e30)})[0]
         assert with_tp[0, 2] - tp_part[0, 2] == pytest.approx(free[0, 2])
     assert Job(gpus=16, tp=2, max_tokens_per_rank=100).sequence_parallel is True
-    assert Job(gpus=16, max_tokens_per_rank=100).sequence_parallel is False
+    one = Job(gpus=16, max_tokens_per_rank=100)  # no effect at tp 1; on once a replace gives the job TP
+    assert one.sequence_parallel is True and dataclasses.replace(one, tp=2).sequence_parallel is True
     scenario = Scenario(name="t", model=MODEL, hardware=hw, job=Job(gpus=8, tp=2, max_tokens_per_rank=512), steps=1)
     from lightning_hydra.sim.simulate import scenario_batches, simulate_policy
 
@@ -305,7 +307,7 @@ def test_job_fields_round_trip_through_the_recipe(tmp_path):
     assert edited.job.sharding == "zero3" and edited.job.sequence_parallel is True  # the default at tp 8
     demo = load_scenario(RECIPES / "sim-cpu-demo.yaml")
     assert (demo.job.sharding, demo.job.precision, demo.job.communicator_bytes) == ("none", "32-true", 0.0)
-    assert demo.job.sequence_parallel is False  # tp 1
+    assert demo.job.sequence_parallel is True  # the default; no effect at tp 1
     for override, match in (
         ({"job.sharding": "zero4"}, "job \\(memory.*unknown sharding 'zero4'"),
         ({"job.activation_checkpointing": "full"}, "unknown activation_checkpointing 'full'"),

@@ -288,7 +288,8 @@ def test_tp_activation_model_matches_what_autograd_saves(
         whole = activation_bytes_per_token(shape, checkpointing=mode, precision=precision)
         assert tp["blocks"] < whole["blocks"]
         if sequence_parallel:  # the norms' and the residual stream's share divides by T
-            assert tp["blocks"] < activation_bytes_per_token(shape, **kw)["blocks"]
+            assert tp["blocks"] < activation_bytes_per_token(shape, **kw, sequence_parallel=False)["blocks"]
+            assert tp == activation_bytes_per_token(shape, **kw)  # the default under TP
 
 
 def test_memory_and_cost_models_know_tensor_parallelism() -> None:
@@ -301,6 +302,9 @@ def test_memory_and_cost_models_know_tensor_parallelism() -> None:
     assert tp8["optimizer"] == pytest.approx(8 * expected / 8)  # AdamW's 8 bytes per parameter over 8 pool ranks
     assert expected > whole
     tied = ModelMemoryShape.for_decoder(4096, 32, 32, 8, 14336, 128256, tied_embeddings=True)
+    odd = ModelMemoryShape.for_decoder(4096, 32, 32, 8, 14336, 128257)  # 8 does not divide it: the head stays whole
+    odd8 = model_state_bytes(odd, tensor_parallel=8, **kw)
+    assert odd8["optimizer"] == pytest.approx(odd.num_params - odd.num_layers * odd.projection_params * 7 / 8)
     tied8 = model_state_bytes(tied, tensor_parallel=8, **kw)  # a tied head stays whole with the embedding
     assert tied8["optimizer"] == pytest.approx(tied.num_params - tied.num_layers * tied.projection_params * 7 / 8)
     caps = {

@@ -176,7 +176,9 @@ class CostModel:
                 input gradient is reduce-scattered once, summed, and gate/up's once). A reduce-scatter and an
                 all-gather each send ``(T - 1) / T`` of the tensor, together one all-reduce's traffic: 4 pairs, 2
                 all-reduce equivalents forward and 2 backward, 4 instead of 7 (latency, one more call, is left to
-                calibration's overheads).
+                calibration's overheads). Selective checkpointing repeats the recomputed pieces' forward collectives
+                in backward (the reference decoder's block: 2 more all-reduce equivalents; a Hugging Face layer's
+                MLP: 1); they are not counted here (nor by the simulator's truth): calibration absorbs them.
 
         Returns:
             The analytic cost model.

@@ -215,9 +215,10 @@ def model_state_bytes(
     split = shape.num_layers * shape.projection_params * (1 - 1 / tensor_parallel)  # other TP ranks' share
     head = shape.vocab_size * shape.hidden_size
     # an untied head (the parameters count a second vocabulary matrix beside the blocks' projections) is split by
-    # vocabulary rows under TP; a tied one stays whole with the embedding
+    # vocabulary rows under TP when T divides them (tensor.parallelize); a tied one stays whole with the embedding
     untied = shape.num_params >= shape.num_layers * shape.projection_params + 2 * head
-    head_split = head * (1 - 1 / tensor_parallel) if untied else 0.0
+    divides = shape.vocab_size % tensor_parallel == 0
+    head_split = head * (1 - 1 / tensor_parallel) if untied and divides else 0.0
     split += head_split
     n = (float(shape.num_params) - split) / pipeline_stages
     master, grad = (2.0, 2.0) if precision == "bf16-true" else (4.0, 4.0)
@@ -248,7 +249,7 @@ def activation_bytes_per_token(
     checkpointing: str,
     precision: str,
     tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | None = None,
 ) -> dict[str, float]:
     """Activation bytes per token on a rank (of a TP group of ``tensor_parallel``).
 
@@ -258,7 +259,8 @@ def activation_bytes_per_token(
         precision: The Trainer's precision.
         tensor_parallel: TP degree ``T``.
         sequence_parallel: The norms and the residual stream split by tokens over the TP group (no effect at
-            ``T = 1``); see the module docstring.
+            ``T = 1``); see the module docstring. ``None``: on when ``T > 1`` (``HydraStrategy``'s default, as
+            :meth:`~lightning_hydra.planner.CostModel.for_transformer` counts TP's collectives by default).
 
     Returns:
         ``{"blocks", "once", "transient", "cp_buffers", "total"}`` (see the module docstring).
@@ -270,7 +272,9 @@ def activation_bytes_per_token(
     if t < 1:
         raise ValueError(f"tensor_parallel must be positive, got {t}")
     split = a * (2 * h + 2 * kv) + 4 * heads  # q/k/v, attention output, LSE: split by TP with the heads
-    norms = 1 / t if sequence_parallel else 1.0  # the share of the tokens the norms and the residual stream see
+    norms = (
+        1 / t if (t > 1 if sequence_parallel is None else sequence_parallel) else 1.0
+    )  # the share of the tokens the norms and the residual stream see
     # the norms' float32 inputs and normalised outputs (on the token shard under SP), their (gathered) outputs
     full = (8 * h + 2 * a * h) * norms + 2 * a * h + (split + a * 4 * f) / t
     if checkpointing == "selective" and shape.selective == "units":  # two norm inputs, two gathered norm outputs
@@ -345,7 +349,7 @@ def memory_capacity(
     multiple_of: int = 256,
     pipeline_stages: int = 1,
     tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | None = None,
 ) -> MemoryBreakdown:
     """The token capacity of a rank: what its budget leaves after model state, communicators and the margin,
     divided by activation bytes per token, rounded down to ``multiple_of``.
@@ -369,7 +373,8 @@ def memory_capacity(
             model without a pipeline, so the activation term is unchanged (``world_size`` is one stage's pool).
         tensor_parallel: TP degree: state and activations per rank as the module docstring says, and the TP
             group's communicator.
-        sequence_parallel: Sequence-parallel norms under TP (:func:`activation_bytes_per_token`).
+        sequence_parallel: Sequence-parallel norms under TP (:func:`activation_bytes_per_token`; ``None``: on when
+            ``T > 1``).
     """
     if budget <= 0 or not 0 <= margin < 1:
         raise ValueError(f"budget must be positive and margin in [0, 1), got {budget} and {margin}")

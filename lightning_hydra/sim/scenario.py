@@ -47,11 +47,12 @@ class Job:
     sequence_parallel: bool | None = None
     """Whether a TP group runs sequence parallelism (``HydraStrategy(sequence_parallel=...)``): TP's collectives are
     all-gathers and reduce-scatters instead of all-reduces, timed by the truth and costed by the planner's starting
-    model; ``None``: on when ``tp > 1`` (the strategy's default). Unused at ``tp`` 1."""
+    model; ``None``: on (the strategy's default under TP; it stays on when ``dataclasses.replace`` changes ``tp``).
+    No effect at ``tp`` 1."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel is None:
-            self.sequence_parallel = self.tp > 1
+            self.sequence_parallel = True
 
     @property
     def pool(self) -> int:

@@ -325,15 +325,14 @@ class HydraStrategy(ParallelStrategy):
             module: The model to train (its ``transformer_blocks()``).
         """
         blocks = getattr(module, "transformer_blocks", None)
-        if not self.sequence_parallel or not callable(blocks):
+        asked, tensor = self._sequence_parallel_asked, self.tensor_parallel
+        if not callable(blocks) or tensor == 1 or asked is False:
             return self.sequence_parallel
-        self.sequence_parallel = resolve_sequence_parallel(
-            self._sequence_parallel_asked, self.tensor_parallel, blocks()
-        )
+        self.sequence_parallel = resolve_sequence_parallel(asked, tensor, blocks())  # from the setting, every time
         if not self.sequence_parallel:
             rank_zero_info(
-                f"HydraStrategy: sequence parallelism off: {type(module).__name__}'s blocks have norms besides their "
-                "two pre-norms (tensor parallelism without it)"
+                f"HydraStrategy: sequence parallelism off: {type(module).__name__}'s blocks have norms other than "
+                "the two pre-norms (tensor parallelism without it)"
             )
         return self.sequence_parallel
 

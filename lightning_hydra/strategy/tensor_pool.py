@@ -8,6 +8,7 @@ every TP index's copy, and sums gradients, losses and objects over the ``"pool"`
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -151,11 +152,11 @@ class TensorPoolRuntime(PoolRuntime):
     def cost_model(self) -> CostModel:
         """The cost model plans use now: given, calibrated, or the module's analytic one for a TP rank."""
         if self._cost is None:
-            self._cost = self._with_node(
-                self.module.cost_model(  # type: ignore[union-attr]
-                    tensor_parallel=self.tensor, sequence_parallel=self.sequence_parallel
-                )
-            )
+            build = self.module.cost_model  # type: ignore[union-attr]
+            kwargs: dict[str, Any] = {"tensor_parallel": self.tensor}
+            if "sequence_parallel" in inspect.signature(build).parameters:  # an override written before it existed
+                kwargs["sequence_parallel"] = self.sequence_parallel
+            self._cost = self._with_node(build(**kwargs))
         return self._cost
 
     @cost_model.setter
