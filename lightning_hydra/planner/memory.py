@@ -392,6 +392,8 @@ def memory_capacity(
     mesh_dims = {"none": 0, "zero2": 1, "zero3": 1, "hsdp": 2}[sharding]
     stage_links = 2 if pipeline_stages > 1 else 0
     tp_group = 1 if tensor_parallel > 1 else 0
+    if tensor_parallel > 1 and sharding == "hsdp":
+        tp_group += 1  # the mesh's flattened "pool" of (replicate, shard): the gradient and loss sums
     communicators = communicator_bytes * (1 + mesh_dims + ulysses_blocks + 2 + stage_links + tp_group)
     per_token = activation_bytes_per_token(
         shape,
