@@ -46,15 +46,21 @@ def sum_partial_gradients(params: list[nn.Parameter]) -> int:
     for members in groups.values():
         mesh = members[0].grad.device_mesh  # type: ignore[union-attr]
         locals_ = [p.grad.to_local() for p in members]  # type: ignore[union-attr]
-        flat = torch.cat([g.reshape(-1) for g in locals_])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group())
-        offset = 0
-        for p, g in zip(members, locals_, strict=True):
-            full = flat[offset : offset + g.numel()].view_as(g)
-            offset += g.numel()
+        _all_reduce_in_place(locals_, mesh.get_group())
+        for p, full in zip(members, locals_, strict=True):
             placements = p.placements if isinstance(p, DTensor) else (Replicate(),) * mesh.ndim
             p.grad = DTensor.from_local(full, mesh, placements, run_check=False)
     return sum(len(m) for m in groups.values())
+
+
+def _all_reduce_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum ``tensors`` (one dtype) over ``group`` in one flat all-reduce, written back into each."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 class TensorGradientSync:
@@ -91,12 +97,7 @@ class TensorGradientSync:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             by_dtype.setdefault(local.dtype, []).append(local)
         for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _all_reduce_in_place(grads, self.group)
 
 
 class TensorPoolRuntime(PoolRuntime):
