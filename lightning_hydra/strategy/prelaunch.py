@@ -44,7 +44,7 @@ from lightning_hydra.strategy.exits import LAUNCHER_PID_ENV, LauncherWatch, Rank
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import model_heads
 from lightning_hydra.strategy.sizing import check_sizing
-from lightning_hydra.strategy.tensor import check_tensor_block, check_tensor_parallel
+from lightning_hydra.strategy.tensor import check_tensor_block, check_tensor_parallel, known_blocks
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as HydraStrategy  # the HydraStrategy that launches
@@ -136,11 +136,8 @@ def check_tensor(strategy: HydraStrategy, model: pl.LightningModule | None, worl
     )
     blocks = getattr(model, "transformer_blocks", None)
     if tensor > 1 and callable(blocks):
-        for block in blocks():
-            try:
-                check_tensor_block(block, tensor)
-            except TypeError:
-                continue  # not a block TP knows: set-up says so
+        for block in known_blocks(blocks()):  # set-up names a block TP does not know
+            check_tensor_block(block, tensor)
     resolve = getattr(strategy, "resolve_sequence_parallel", None)
     if callable(resolve) and model is not None:
         resolve(model)

@@ -24,6 +24,7 @@ a microbatch is idle with its whole TP group (same pool position), so TP's colle
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -52,6 +53,7 @@ __all__ = [
     "check_sequence_parallel",
     "check_tensor_block",
     "check_tensor_parallel",
+    "known_blocks",
     "parallelize",
     "resolve_sequence_parallel",
     "tensor_mesh",
@@ -186,6 +188,16 @@ def block_layout(block: nn.Module) -> BlockLayout:
     )
 
 
+def known_blocks(blocks: Iterable[nn.Module]) -> Iterator[nn.Module]:
+    """The blocks of ``blocks`` that fit one of :data:`BLOCK_LAYOUTS` (the others are for set-up to name)."""
+    for block in blocks:
+        try:
+            block_layout(block)
+        except TypeError:
+            continue
+        yield block
+
+
 def check_sequence_parallel(block: nn.Module) -> BlockLayout:
     """The block's layout when sequence parallelism can split it: its norms (direct children named ``*norm*``) are
     exactly the layout's two pre-norms; otherwise a one-line :class:`~lightning_hydra.errors.ConfigError` (Gemma's
@@ -241,11 +253,7 @@ def resolve_sequence_parallel(asked: bool | None, tensor: int, blocks: list[nn.M
     """
     if tensor == 1 or asked is False:
         return False
-    for block in blocks:
-        try:
-            block_layout(block)
-        except TypeError:
-            continue  # not a block TP knows: set-up says so
+    for block in known_blocks(blocks):
         try:
             check_sequence_parallel(block)
         except ConfigError:
@@ -310,10 +318,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
             raise ConfigError(
                 f"tensor_parallel={tensor} must divide {attention.heads} heads and {attention.kv_heads} KV heads"
             )
-        check_tensor_block(block, tensor)
+        layout = check_tensor_block(block, tensor)
         parallelize_module(block, mesh, block_plan(block, sequence_parallel=sequence_parallel))
         if sequence_parallel:
-            layout = block_layout(block)
             gather = PrepareModuleOutput(
                 output_layouts=Shard(layout.sequence_dim), desired_output_layouts=Replicate(), use_local_output=False
             )
