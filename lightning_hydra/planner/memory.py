@@ -249,7 +249,7 @@ def activation_bytes_per_token(
     checkpointing: str,
     precision: str,
     tensor_parallel: int = 1,
-    sequence_parallel: bool | None = None,
+    sequence_parallel: bool = True,
 ) -> dict[str, float]:
     """Activation bytes per token on a rank (of a TP group of ``tensor_parallel``).
 
@@ -259,8 +259,8 @@ def activation_bytes_per_token(
         precision: The Trainer's precision.
         tensor_parallel: TP degree ``T``.
         sequence_parallel: The norms and the residual stream split by tokens over the TP group (no effect at
-            ``T = 1``); see the module docstring. ``None``: on when ``T > 1`` (``HydraStrategy``'s default, as
-            :meth:`~lightning_hydra.planner.CostModel.for_transformer` counts TP's collectives by default).
+            ``T = 1``); see the module docstring. On by default, as ``HydraStrategy`` runs TP and
+            :meth:`~lightning_hydra.planner.CostModel.for_transformer` counts TP's collectives.
 
     Returns:
         ``{"blocks", "once", "transient", "cp_buffers", "total"}`` (see the module docstring).
@@ -272,9 +272,7 @@ def activation_bytes_per_token(
     if t < 1:
         raise ValueError(f"tensor_parallel must be positive, got {t}")
     split = a * (2 * h + 2 * kv) + 4 * heads  # q/k/v, attention output, LSE: split by TP with the heads
-    norms = (
-        1 / t if (t > 1 if sequence_parallel is None else sequence_parallel) else 1.0
-    )  # the share of the tokens the norms and the residual stream see
+    norms = 1 / t if sequence_parallel else 1.0  # the share of the tokens the norms and the residual stream see
     # the norms' float32 inputs and normalised outputs (on the token shard under SP), their (gathered) outputs
     full = (8 * h + 2 * a * h) * norms + 2 * a * h + (split + a * 4 * f) / t
     if checkpointing == "selective" and shape.selective == "units":  # two norm inputs, two gathered norm outputs
@@ -349,7 +347,7 @@ def memory_capacity(
     multiple_of: int = 256,
     pipeline_stages: int = 1,
     tensor_parallel: int = 1,
-    sequence_parallel: bool | None = None,
+    sequence_parallel: bool = True,
 ) -> MemoryBreakdown:
     """The token capacity of a rank: what its budget leaves after model state, communicators and the margin,
     divided by activation bytes per token, rounded down to ``multiple_of``.
@@ -373,8 +371,8 @@ def memory_capacity(
             model without a pipeline, so the activation term is unchanged (``world_size`` is one stage's pool).
         tensor_parallel: TP degree: state and activations per rank as the module docstring says, and the TP
             group's communicator.
-        sequence_parallel: Sequence-parallel norms under TP (:func:`activation_bytes_per_token`; ``None``: on when
-            ``T > 1``).
+        sequence_parallel: Sequence-parallel norms under TP (:func:`activation_bytes_per_token`; no effect at
+            ``T = 1``).
     """
     if budget <= 0 or not 0 <= margin < 1:
         raise ValueError(f"budget must be positive and margin in [0, 1), got {budget} and {margin}")

@@ -44,15 +44,10 @@ class Job:
     """Bytes per communicator (NCCL's, about 0.5 GB each; 0 on CPU)."""
     projected_stages: int = 4
     """Pipeline depth of the projected ``bubble_pp`` when the job has no pipeline (``pp == 1``)."""
-    sequence_parallel: bool | None = None
+    sequence_parallel: bool = True
     """Whether a TP group runs sequence parallelism (``HydraStrategy(sequence_parallel=...)``): TP's collectives are
     all-gathers and reduce-scatters instead of all-reduces, timed by the truth and costed by the planner's starting
-    model; ``None``: on (the strategy's default under TP; it stays on when ``dataclasses.replace`` changes ``tp``).
-    No effect at ``tp`` 1."""
-
-    def __post_init__(self) -> None:
-        if self.sequence_parallel is None:
-            self.sequence_parallel = True
+    model; on by default (the strategy's default under TP). No effect at ``tp`` 1."""
 
     @property
     def pool(self) -> int:

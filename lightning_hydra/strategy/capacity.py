@@ -69,7 +69,7 @@ def pool_memory(
     pipeline_stages: int,
     ulysses_blocks: int,
     tensor_parallel: int = 1,
-    sequence_parallel: bool | None = None,
+    sequence_parallel: bool = True,
 ) -> MemoryBreakdown:
     """The memory model for ``module`` on one rank of a pool (pure; see
     :func:`lightning_hydra.planner.memory.memory_capacity` for the terms).
@@ -88,8 +88,8 @@ def pool_memory(
         ulysses_blocks: Ulysses communicators this rank belongs to.
         tensor_parallel: TP degree (``pool`` counts TP groups; state and activations per rank divide as
             :mod:`lightning_hydra.planner.memory` says).
-        sequence_parallel: Sequence-parallel norms under TP (norm and residual-stream activations ``1 / T``;
-            ``None``: on when ``T > 1``).
+        sequence_parallel: Sequence-parallel norms under TP (norm and residual-stream activations ``1 / T``; no
+            effect at ``T = 1``).
     """
     return memory_capacity(
         memory_shape(module),
