@@ -303,8 +303,8 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
     schedule = p2p_schedule(stage, stages, active, train=train)
     # an idle position that must run (sharded state) runs the zero-token microbatch on every stage: its activations
     # are that microbatch's length, not the plan's 0 tokens
-    idle = module._zero_token_microbatch(runtime.global_rank).input_ids.shape[0]
-    shape = {m: (mb.num_tokens or idle, hidden_size) for m, mb in enumerate(microbatches)}
+    idle = module._zero_token_microbatch(runtime.global_rank)
+    shape = {m: (mb.num_tokens or idle.input_ids.shape[0], hidden_size) for m, mb in enumerate(microbatches)}
     sync = runtime.gradient_sync(module) if train else None
     if sync is not None:
         sync.begin()
@@ -318,7 +318,7 @@ def run_pipeline(module: torch.nn.Module, batch, runtime, *, train: bool, hidden
     for (kind, m), (before, after) in zip(order, schedule, strict=True):
         mb = microbatches[m]
         if mb.num_tokens == 0:
-            mb = module._zero_token_microbatch(runtime.global_rank)
+            mb = idle
         group = runtime.group(mb.group)
         links.post(before, shape)
         clock.tag(m)
