@@ -17,7 +17,8 @@ from lightning_hydra.metrics.loads import pipeline_replay, projected_pipeline_bu
 from lightning_hydra.metrics.record import StepRecord, rank_row
 from lightning_hydra.models.stages import stage_layers
 from lightning_hydra.planner.calibration import NUM_FEATURES
-from lightning_hydra.strategy.pipeline import PipelineLayout, link_exchanges, p2p_schedule, stage_order
+from lightning_hydra.schedule import exchanges, stage_order
+from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.testing import quiet_trainer
 
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
@@ -250,6 +251,17 @@ def test_a_rank_killed_mid_run_ends_every_rank_with_an_error(tmp_path: Path) -> 
     assert ended or raised, done.stderr[-3000:]
 
 
+def _link(posts: list, side: int) -> list[frozenset[tuple[str, int]]]:
+    """The exchanges of one stage with its neighbour on ``side``, in posting order, as sets of ``(flow,
+    microbatch)``: the same list on both ends of a link means they post the same batches in the same order."""
+    out = []
+    for batch in (x for pair in posts for x in pair):
+        mine = frozenset((t.flow, t.microbatch) for s, t in batch if s == side)
+        if mine:
+            out.append(mine)
+    return out
+
+
 @pytest.mark.parametrize("train", [True, False])
 def test_both_ends_of_every_link_post_the_same_exchanges_in_the_same_order(train: bool) -> None:
     rng = np.random.default_rng(4)
@@ -257,21 +269,21 @@ def test_both_ends_of_every_link_post_the_same_exchanges_in_the_same_order(train
     for stages in range(2, 9):
         for count in range(1, 13):
             for trial in range(6):
-                active = [m for m in range(count) if trial == 0 or rng.random() < 0.7]  # idle positions skipped
-                schedules = [p2p_schedule(s, stages, active, train=train) for s in range(stages)]
+                runs = [m for m in range(count) if trial == 0 or rng.random() < 0.7]  # idle positions skipped
+                posts = [exchanges(s, stages, runs, count, train=train) for s in range(stages)]
                 for s in range(stages - 1):
-                    down = link_exchanges(schedules[s], 1)
-                    assert down == link_exchanges(schedules[s + 1], -1), (stages, count, active, s)
+                    down = _link(posts[s], 1)
+                    assert down == _link(posts[s + 1], -1), (stages, count, runs, s)
                     moved = sorted(t for x in down for t in x)
-                    expected = [("down", "act", m) for m in active] + [("up", "grad", m) for m in active] * train
+                    expected = [("down", m) for m in runs] + [("up", m) for m in runs] * train
                     assert moved == sorted(expected)  # every tensor crosses the link once
                     paired += sum(len(x) == 2 for x in down)
-                for s, schedule in enumerate(schedules):  # a receive is posted before the operation that reads it
+                for s, schedule in enumerate(posts):  # a receive is posted before the operation that reads it
                     posted: set[tuple[str, int]] = set()
-                    for (kind, m), (before, after) in zip(
-                        stage_order(s, stages, active, train=train), schedule, strict=True
-                    ):
-                        posted |= {(t.kind, t.microbatch) for t in before if not t.send}
+                    order = stage_order(s, stages, runs, count, train=train)
+                    for (kind, m), (before, after) in zip(order, schedule, strict=True):
+                        received = {(t.kind, t.microbatch) for side, t in before if (t.flow == "down") == (side < 0)}
+                        posted |= received
                         need = (
                             ("act", m)
                             if kind == "F" and s > 0
@@ -280,5 +292,5 @@ def test_both_ends_of_every_link_post_the_same_exchanges_in_the_same_order(train
                             else None
                         )
                         assert need is None or need in posted
-                        posted |= {(t.kind, t.microbatch) for t in after if not t.send}
+                        posted |= {(t.kind, t.microbatch) for side, t in after if (t.flow == "down") == (side < 0)}
     assert paired > 0 if train else paired == 0

@@ -8,7 +8,6 @@ optimizer: the gradients equal those of one process training on the whole batch.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -21,7 +20,7 @@ from lightning_hydra.data.datamodule import resolve
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch, StepBatch
 from lightning_hydra.errors import check_int, check_number
 from lightning_hydra.metrics.record import StepRecord
-from lightning_hydra.metrics.timing import MicrobatchTimer, StepTiming
+from lightning_hydra.metrics.timing import StepTiming
 from lightning_hydra.models.checkpointing import (
     apply_selective_checkpointing,
     check_checkpointing_mode,
@@ -29,6 +28,7 @@ from lightning_hydra.models.checkpointing import (
     remove_selective_checkpointing,
 )
 from lightning_hydra.planner import CostModel, Group
+from lightning_hydra.schedule import ZERO_TOKEN_TOKENS
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
@@ -178,66 +178,20 @@ class HydraModule(pl.LightningModule):
         strategy = self.trainer.strategy
         return strategy.cp if isinstance(strategy, HydraStrategy) else self.local_cp
 
-    def _run_microbatches(self, batch: StepBatch, train: bool) -> torch.Tensor:
-        """Forward (and backward) of every microbatch; returns the global batch's mean token loss. Records the
-        busy and communication time of every microbatch in :attr:`last_timing` (its ``wall`` is the caller's).
+    def _run_step(self, batch: StepBatch, *, train: bool, clip: Any = None) -> torch.Tensor:
+        """Run this rank's operation list of the step (:class:`~lightning_hydra.strategy.step.StepRunner`): the plan
+        check, every microbatch's forward (and backward) under its CP group, pipeline exchanges, the gradient sum
+        over the pool, the loss sum, and in training the measurement gather and calibration. Keeps the busy and
+        communication time of every microbatch in :attr:`last_timing` and, in training, every rank's measurements in
+        :attr:`last_record`; returns the global batch's mean token loss (the same on every rank)."""
+        from lightning_hydra.strategy.step import StepRunner
 
-        With ``train``, gradients are summed over the pool as the last microbatch's backward produces them (the
-        runtime's gradient sync); nothing here waits on the device before the step's end.
-        """
-        runtime = self.runtime()
-        if runtime.stages > 1:
-            return self._run_pipelined(batch, train)
-        context = self._context()
-        timer = MicrobatchTimer(self.device)
-        clock = runtime.comm_clock
-        clock.discard()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        sync = runtime.gradient_sync(self) if train else None
-        if sync is not None:
-            sync.begin()
-        last = len(batch.microbatches) - 1
-        for index, mb in enumerate(batch.microbatches):
-            if mb.num_tokens == 0:
-                if not runtime.must_run(index, last, train=train):
-                    timer.skip()  # this rank's group is idle in this microbatch
-                    continue
-                mb = self._zero_token_microbatch(runtime.global_rank)  # sharded state: take part in FSDP's collectives
-            group = runtime.group(mb.group)
-            clock.tag(index)
-            timer.start()
-            with context.use(group, mb.cu_seqlens):
-                loss_sum = self.microbatch_loss(mb)
-            timer.mark()
-            if sync is not None:
-                if index == last:
-                    sync.arm()
-                self.manual_backward(loss_sum / batch.trained_tokens)
-            timer.stop()
-            total += loss_sum.detach().double()
-        if sync is not None:
-            sync.finish()
-        else:
-            runtime.end_forward_only()
-        forward, backward = timer.read_split()  # after the step's last synchronisation: then the clock, once
-        spent = clock.read()
-        comm = [spent.get(index, 0.0) for index in range(len(batch.microbatches))]
-        busy = [f + b for f, b in zip(forward, backward, strict=True)]
-        self.last_timing = StepTiming(busy=busy, comm=comm, forward=forward, backward=backward)
-        return runtime.all_sum(total) / max(batch.trained_tokens, 1)
-
-    def _run_pipelined(self, batch: StepBatch, train: bool) -> torch.Tensor:
-        """This rank's pipeline stage under 1F1B (see :mod:`lightning_hydra.strategy.pipeline`)."""
-        from lightning_hydra.strategy.pipeline import run_pipeline
-
-        runtime = self.runtime()
-        result = run_pipeline(self, batch, runtime, train=train, hidden_size=self.pipeline_width())
-        line = result.timeline
-        busy = [f + b for f, b in zip(line.fwd_busy, line.bwd_busy, strict=True)]
-        self.last_timing = StepTiming(
-            busy=busy, comm=result.comm, forward=line.fwd_busy, backward=line.bwd_busy, spans=line.spans
-        )
-        return runtime.all_sum(result.loss_sum) / max(batch.trained_tokens, 1)  # the loss lives on the last stage
+        runner = StepRunner(self, batch, self.runtime(), train=train, global_step=int(self.global_step), clip=clip)
+        loss = runner.run()
+        self.last_timing = runner.timing
+        if train:
+            self.last_record = runner.record
+        return loss
 
     # ------------------------------------------------------------------ pipeline stages
     def pipeline_stage(self, stage: int, stages: int) -> None:
@@ -265,9 +219,10 @@ class HydraModule(pl.LightningModule):
         it). Its forward and backward add exactly zero to the loss and the gradients. Not an empty shard: models that
         reshape with ``-1`` (every transformers model) cannot take one, and every sharded run of a Hugging Face model
         crashed at the first microbatch a rank sat out."""
-        tokens = torch.zeros(2, dtype=torch.long, device=self.device)  # the token and its zigzag padding
-        ignored = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
-        positions = torch.arange(2, dtype=torch.long, device=self.device)
+        n = ZERO_TOKEN_TOKENS  # the token and its zigzag padding (the step's list sizes transfers by it)
+        tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+        ignored = torch.full((n,), IGNORE_INDEX, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, dtype=torch.long, device=self.device)
         return RankMicrobatch(tokens, ignored, positions, (0, 1), Group((rank,), 1, 1), ())
 
     def _clip_gradients(self, optimizer: Any, runtime: Any) -> None:
@@ -287,13 +242,8 @@ class HydraModule(pl.LightningModule):
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
         runtime = self.runtime()
-        runtime.begin_step(batch)  # synchronises the pool: the step's wall clock starts here
-        start = time.perf_counter()
-        loss = self._run_microbatches(batch, train=True)
-        self.last_timing.wall = time.perf_counter() - start
-        self.last_record = runtime.finish_step(batch, self.last_timing, int(self.global_step))
-        if self.max_grad_norm:
-            self._clip_gradients(optimizer, runtime)
+        clip = (lambda: self._clip_gradients(optimizer, runtime)) if self.max_grad_norm else None
+        loss = self._run_step(batch, train=True, clip=clip)
         optimizer.step()
         scheduler = self.lr_schedulers()
         if scheduler is not None:
@@ -306,8 +256,7 @@ class HydraModule(pl.LightningModule):
     @override
     def validation_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
         batch = resolve(batch)
-        self.runtime().begin_step(batch)
-        loss = self._run_microbatches(batch, train=False)
+        loss = self._run_step(batch, train=False)
         self.log("val/loss", loss.float(), prog_bar=True, batch_size=1, sync_dist=True)  # equal on all ranks
         return loss
 

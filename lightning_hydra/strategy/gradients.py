@@ -66,6 +66,8 @@ class GradientReducer:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.group = group
+        self.alone = not dist.is_initialized() or dist.get_world_size(group) == 1
+        """A pool of one rank: the sum is the gradient itself, and no collective runs."""
         self.bucket_bytes = bucket_bytes
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
@@ -101,7 +103,7 @@ class GradientReducer:
         """Buckets in the observed backward order (the longest observation of any rank; collective)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         mine = [index[i] for i in self._observed]
-        if dist.is_initialized():  # a fixed-size int64 tensor per rank (its length, then its order, -1 padded)
+        if not self.alone:  # a fixed-size int64 tensor per rank (its length, then its order, -1 padded)
             size = len(self.params) + 1
             row = torch.full((size,), -1, dtype=torch.int64, device=self.params[0].device)
             row[0] = len(mine)
@@ -172,8 +174,22 @@ class GradientReducer:
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)  # autograd replaced the view (e.g. a dtype or layout change): fold it back
                 p.grad = view
-        b.work = dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if not self.alone:
+            b.work = dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._next = index + 1
+
+    def collectives(self) -> tuple[tuple[str, str, int, str], ...]:
+        """What the step's sum issues on the pool's communicator, in order: one all-reduce per bucket (those the last
+        backward launches, then the rest) and, in the reducer's first step, the all-gather of every rank's observed
+        order that rebuilds the buckets (none for a pool of one)."""
+        if self.alone:
+            return ()
+        calls = [
+            ("grad", "all_reduce", b.buffer.numel(), str(b.buffer.dtype).removeprefix("torch.")) for b in self.buckets
+        ]
+        if not self.rebuilt:
+            calls.append(("grad", "all_gather", len(self.params) + 1, "int64"))
+        return tuple(calls)
 
     def finish(self) -> None:
         """Launch the buckets not launched yet, in order, and wait for all; gradients then hold the pool's sum."""
@@ -186,6 +202,9 @@ class GradientReducer:
                 b.work = None
         if not self.rebuilt:
             self._rebuild()  # this step's gradients stay valid: they are views into the old buffers
+
+    def sum_partials(self) -> None:
+        """Nothing: replicas hold whole gradients."""
 
     def remove(self) -> None:
         """Remove the hooks (the reducer is unusable afterwards)."""

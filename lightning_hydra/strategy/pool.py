@@ -17,6 +17,7 @@ from lightning_hydra.cp import CPGroup, GroupCache
 from lightning_hydra.cp.groups import aligned_blocks
 from lightning_hydra.metrics.record import StepGather
 from lightning_hydra.planner import BatchPlanner, CostModel, Group
+from lightning_hydra.schedule import StepLayout
 from lightning_hydra.strategy.checks import all_gather_single, check_digests, check_fits
 from lightning_hydra.strategy.gradients import GradientReducer
 from lightning_hydra.strategy.pipeline import PipelineLayout
@@ -65,7 +66,10 @@ class PoolRuntime(HydraRuntime):
         self.offset = self.stage * self.layout.pool
         """Global rank of this stage's pool position 0."""
         self.stage_group: dist.ProcessGroup | None = None
-        """The stage's pool as a process group (``None``: the world, with one stage)."""
+        """The stage's pool as a process group of its own (after :meth:`setup`): the gradient sum's communicator,
+        never the world's, which pipeline and ring transfers use (an asynchronous bucket sum launched in a rank's
+        last backward must not hold up a transfer queued behind it on the same communicator)."""
+        self._owned_groups: list[dist.ProcessGroup] = []
         self.cache = GroupCache(backend=backend, clock=self.comm_clock)
         self.local_world_size = local_world_size
         self._reducer: GradientReducer | None = None
@@ -85,9 +89,10 @@ class PoolRuntime(HydraRuntime):
         made = self.cache.create(copy for block in local for copy in self.copies(block))
         if made:
             self.cache.warm_up(self.world_rank, self.device)
-        if self.layout.stages > 1 and self.stage_group is None:
+        if self.stage_group is None:
             for s in range(self.layout.stages):  # every rank creates every stage's group, in order
                 pg = dist.new_group(list(self.layout.stage_ranks(s)))
+                self._owned_groups.append(pg)
                 if s == self.stage:
                     self.stage_group = pg
         return made
@@ -109,7 +114,16 @@ class PoolRuntime(HydraRuntime):
             self._reducer.remove()
             self._reducer = None
         self.closed = True
-        return self.cache.destroy()
+        owned = 0
+        if dist.is_initialized():
+            for pg in self._owned_groups:
+                if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(pg)
+                    owned += 1
+        if self.stage_group in self._owned_groups:
+            self.stage_group = None
+        self._owned_groups.clear()
+        return self.cache.destroy() + owned
 
     @property
     def oversubscribed(self) -> bool:
@@ -171,14 +185,20 @@ class PoolRuntime(HydraRuntime):
             self._reducer_params = ids
         return self._reducer
 
-    def must_run(self, index: int, last: int, *, train: bool) -> bool:
-        """Sharded state: training follows the mode (the last microbatch, or every one under zero3); a forward-only
-        step runs every microbatch (every forward may gather parameters)."""
-        if self.sharding is None:
-            return False
-        if not train:
-            return True
-        return self.gradient_sync(self.module).must_run(index, last)  # type: ignore[arg-type]
+    def step_layout(self) -> StepLayout:
+        """Stages x pool and the sharding (hsdp's nodes: ``ranks_per_node`` positions)."""
+        mode = self.sharding.mode if self.sharding is not None else "none"
+        node = min(self.planner_config.ranks_per_node, self.layout.pool)
+        return StepLayout(stages=self.layout.stages, pool=self.layout.pool, sharding=mode, node=node)
+
+    def gather_units(self) -> int:
+        """The sharded modules (every block, then the root): a step gathers them in this order."""
+        return len(self.sharding.modules) if self.sharding is not None else 0
+
+    def gather_unit(self, unit: int) -> None:
+        """All-gather sharded module ``unit``'s parameters (kept until the step's last backward reshards them)."""
+        assert self.sharding is not None
+        self.sharding.modules[unit].unshard()
 
     def end_forward_only(self) -> None:
         """Reshard a sharded model after validation (zero2 keeps parameters gathered after a forward)."""

@@ -3,22 +3,21 @@
 One typed interface, :class:`HydraRuntime`, with two implementations: :class:`LocalRuntime` here (one process, no
 strategy: the whole global batch in one microbatch at degree 1) and
 :class:`~lightning_hydra.strategy.pool.PoolRuntime` (the dynamic-CP pool of a :class:`~lightning_hydra.HydraStrategy`:
-plans, communicators, digest checks, gradient sums, measurement gathers, calibration). Per optimizer step a module
-calls, in this order on every rank::
+plans, communicators, digest checks, gradient sums, measurement gathers, calibration).
 
-    runtime.begin_step(batch)            # digest check of the plan (collective), groups prepared (none created)
-    sync = runtime.gradient_sync()       # .begin(); .arm() before the last backward; .finish() after it
-    ... microbatches, each under runtime.group(mb.group) ...
-    runtime.all_sum(loss)
-    runtime.finish_step(batch, timing)   # one gather of every rank's measurements; calibration
-
-The order of the world collectives is the same on every rank whatever its plan, which nccl and gloo require.
+A step is data: :meth:`HydraRuntime.program` states this rank's operations in order (:mod:`lightning_hydra.schedule`:
+the plan's digest check, FSDP gathers, every forward, backward and pipeline exchange, the gradient sum, the loss sum,
+the measurement gather, the cost model's broadcast, the gradient norm), and
+:class:`~lightning_hydra.strategy.step.StepRunner` executes it, calling back into the runtime for each: every rank's
+list is built from the same rules over the same plan, so the members of every communicator issue its collectives in
+the same order, which nccl and gloo require (the tests check the lists of random plans, and that real runs issue
+exactly their lists).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -32,6 +31,7 @@ from lightning_hydra.metrics.record import StepRecord, step_row
 from lightning_hydra.metrics.timing import StepTiming
 from lightning_hydra.planner import BatchPlanner, CostModel, DegreeRules, Group, Plan, PlannerConfig
 from lightning_hydra.planner.calibration import NUM_FEATURES, CostCalibrator
+from lightning_hydra.schedule import Op, StepLayout, StepOptions, Work, rank_program
 from lightning_hydra.strategy.clipping import clip_grad_norm
 
 __all__ = [
@@ -82,9 +82,9 @@ class GradientSync(Protocol):
     def finish(self) -> None:
         """Complete the sum (blocking)."""
 
-    def must_run(self, index: int, last: int) -> bool:
-        """Whether a rank idle in microbatch ``index`` (of ``0..last``) must still run a zero-token pass so that
-        its collectives line up with the other ranks'."""
+    def collectives(self) -> tuple[tuple[str, str, int, str], ...]:
+        """The collectives :meth:`finish` issues, in order, as ``(communicator kind, function, numel, dtype)``
+        (see :attr:`~lightning_hydra.schedule.StepOptions.grad_calls`)."""
 
 
 class _NoSync:
@@ -99,9 +99,9 @@ class _NoSync:
     def finish(self) -> None:
         """Nothing."""
 
-    def must_run(self, index: int, last: int) -> bool:
-        """Never."""
-        return False
+    def collectives(self) -> tuple[tuple[str, str, int, str], ...]:
+        """None."""
+        return ()
 
 
 class HydraRuntime(ABC):
@@ -129,6 +129,11 @@ class HydraRuntime(ABC):
         self.device = device
         self.global_rank = global_rank
         self.world_size = world_size
+        self.world_rank = global_rank
+        """This rank in the default process group (a pool position's rank, or another under pipelines and TP)."""
+        self.observer: Any = None
+        """Called with ``(index, op)`` before every operation of a step and ``(len, None)`` after the last (a
+        test's recorder of the real collectives); ``None``: nobody watches."""
         self.calibrate = calibrate
         self.calibrator = calibrator if calibrator is not None else CostCalibrator()
         self.module: nn.Module | None = None
@@ -138,7 +143,7 @@ class HydraRuntime(ABC):
         self.last_record: StepRecord | None = None
         """Every rank's measurements of the last training step (the same on every rank)."""
         self.measure_seconds = 0.0
-        """Wall seconds the last :meth:`finish_step` took (gathering and calibration: the cost of measuring)."""
+        """Wall seconds the last step's measurement gather and calibration took (the cost of measuring)."""
         self.stage = 0
         """This rank's pipeline stage (0 without a pipeline)."""
         self.stages = 1
@@ -213,10 +218,45 @@ class HydraRuntime(ABC):
     def gradient_sync(self, module: nn.Module) -> GradientSync:
         """The gradient sum of this step for ``module``'s parameters."""
 
-    def must_run(self, index: int, last: int, *, train: bool) -> bool:
-        """Whether a rank idle in microbatch ``index`` must run a zero-token pass (sharded state: its collectives
-        must line up); ``False`` for replicas."""
-        return False
+    # ------------------------------------------------------------------ the step as data
+    def step_layout(self) -> StepLayout:
+        """Stages x pool x TP and the sharding (one process: a pool of one)."""
+        return StepLayout(pool=1)
+
+    def gather_units(self) -> int:
+        """FSDP units this rank gathers at the start of a step (sharded state); 0 for replicas."""
+        return 0
+
+    def gather_unit(self, unit: int) -> None:
+        """Gather FSDP unit ``unit`` (the ``gather`` operation)."""
+        raise RuntimeError("a runtime without sharded state gathers nothing")
+
+    def step_options(self, module: nn.Module, *, train: bool, clip: bool) -> StepOptions:
+        """What this rank does around its microbatches (see :class:`~lightning_hydra.schedule.StepOptions`)."""
+        sync = self.gradient_sync(module) if train else None
+        return StepOptions(
+            train=train,
+            units=self.gather_units(),
+            grad_calls=sync.collectives() if sync is not None else (),  # type: ignore[arg-type]
+            partial_sum=bool(getattr(sync, "partial_sums", False)),
+            calibrate=self.calibrate,
+            refit_fields=len(dataclasses.fields(CostModel)),
+            clip=clip,
+        )
+
+    def program(self, batch: Any, module: nn.Module, *, train: bool, clip: bool = False) -> list[Op]:
+        """This rank's operations in the step of ``batch`` (:func:`~lightning_hydra.schedule.rank_program`), in the
+        order :class:`~lightning_hydra.strategy.step.StepRunner` runs them.
+
+        Args:
+            batch: The step's :class:`~lightning_hydra.data.packing.StepBatch` (this rank's share of the plan).
+            module: The model (its gradient sync).
+            train: A training step (``False``: forwards only).
+            clip: The gradients are clipped by the global norm after the sum.
+        """
+        work = [Work(mb.group.ranks, mb.num_tokens) for mb in batch.microbatches]
+        options = self.step_options(module, train=train, clip=clip)
+        return rank_program(self.step_layout(), work, self.world_rank, options)
 
     def end_forward_only(self) -> None:
         """After a forward-only step (validation): release what it left gathered (nothing for replicas)."""
@@ -267,9 +307,10 @@ class HydraRuntime(ABC):
         """More ranks on this host than CPU cores (CPU runs only): wall clocks then measure time slicing."""
         return False
 
-    def finish_step(self, batch: Any, timing: StepTiming, step: int) -> StepRecord:
-        """Gather every rank's measurements of a training step and, with ``calibrate``, refit the cost model from
-        them (the same model on every rank).
+    def record_step(self, batch: Any, timing: StepTiming, step: int) -> StepRecord:
+        """Gather every rank's measurements of a training step (the ``measure`` operation) and, with
+        ``calibrate``, add them to the calibrator's window (the refit itself is the ``refit`` operation,
+        :meth:`adopt_refit`).
 
         Args:
             batch: The step's :class:`~lightning_hydra.data.packing.StepBatch`.
@@ -279,7 +320,6 @@ class HydraRuntime(ABC):
         Returns:
             The gathered :class:`StepRecord` (also kept as :attr:`last_record`).
         """
-        start = time.perf_counter()
         includes = self.timer_includes_comm
         row = step_row(
             batch,
@@ -305,9 +345,7 @@ class HydraRuntime(ABC):
             # in the 4-rank demo on 2 cores), so it is not fitted there.
             comm = None if self.oversubscribed else record.comm.ravel()
             self.calibrator.add(features, record.busy.ravel(), includes_comm=record.includes_comm, comm=comm)
-            self.adopt_refit()
         self.last_record = record
-        self.measure_seconds = time.perf_counter() - start
         return record
 
 

@@ -4,10 +4,13 @@ Modes (``HydraStrategy(sharding=...)``):
 
 - ``"none"``: every rank holds a full replica; gradients are summed by
   :class:`~lightning_hydra.strategy.gradients.GradientReducer`.
-- ``"zero2"``: parameters, gradients and optimizer state sharded over the pool (1-D mesh). Parameters are gathered
-  at a rank's first forward of the step and kept gathered until the last backward (``reshard_after_forward=False``,
-  no reshard between microbatches), gradients accumulate unsharded and are reduce-scattered once, in the step's last
-  backward, into the sharded (float32 under ``bf16-mixed``) gradients the optimizer steps on.
+- ``"zero2"``: parameters, gradients and optimizer state sharded over the pool (1-D mesh). Every sharded module is
+  gathered at the start of the step, on every rank, in one order (the step's list says so:
+  :mod:`lightning_hydra.schedule`), and kept gathered until the last backward (``reshard_after_forward=False``, no
+  reshard between microbatches); gradients accumulate unsharded and are reduce-scattered once, in the step's last
+  backward (every rank runs it, a zero-token pass where it sits the microbatch out), into the sharded (float32 under
+  ``bf16-mixed``) gradients the optimizer steps on. Gathering at a rank's first forward instead put a rank idle in
+  microbatch 0 out of step with the others (its gathers fell between its first microbatch's CP collectives).
 - ``"zero3"``: parameters resharded after every forward and backward, gradients reduce-scattered in every
   microbatch (no full gradient is ever held). Every collective of FSDP runs in every microbatch, so every rank runs
   every microbatch: a rank whose group is idle runs a zero-token pass.
@@ -149,11 +152,11 @@ class ShardedGradientSync:
         """zero3: FSDP collectives run in every forward and backward, so every rank runs every microbatch."""
         return self.plan.mode == "zero3"
 
-    def must_run(self, index: int, last: int) -> bool:
-        """Whether a rank idle in microbatch ``index`` (of ``0..last``) must still run a zero-token pass: every
-        microbatch under zero3, the last one otherwise (its backward reduce-scatters; its forward gathers the
-        parameters if the rank had no forward before)."""
-        return self.every_microbatch or index == last
+    def collectives(self) -> tuple[tuple[str, str, int, str], ...]:
+        """None of its own: FSDP gathers where the step's list says (zero2, hsdp: at the start; zero3: in every
+        forward and backward) and reduce-scatters inside the backwards (zero2, hsdp: the step's last, which every
+        rank runs)."""
+        return ()
 
     def begin(self) -> None:
         """Start a step: accumulate locally until the last backward (zero2, hsdp), sync every microbatch (zero3)."""

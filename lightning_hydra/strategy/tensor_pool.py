@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_hydra.planner import CostModel, Group
+from lightning_hydra.schedule import StepLayout
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.runtime import GradientSync
@@ -68,13 +69,18 @@ class TensorGradientSync:
     dtype after the step's last backward (not overlapped with it); partial gradients (sequence-parallel norms) are
     first summed over the TP group (:func:`sum_partial_gradients`)."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, partial_sums: bool = False) -> None:
         """Args:
         params: The parameters to reduce (those with ``requires_grad``).
         group: The pool's process group of this rank's TP index and stage.
+        partial_sums: Some gradients are partial over the TP group (sequence parallelism) and are summed there
+            first (the step's ``partial_sum`` operation).
         """
         self.params = [p for p in params if p.requires_grad]
         self.group = group
+        self.partial_sums = partial_sums
+        self.alone = dist.get_world_size(group) == 1
+        """A pool of one position: the pool's sum is the gradient itself, and no collective runs."""
 
     def begin(self) -> None:
         """Nothing: gradients accumulate locally over the step's microbatches."""
@@ -82,22 +88,37 @@ class TensorGradientSync:
     def arm(self) -> None:
         """Nothing: the sum runs in :meth:`finish`."""
 
-    def must_run(self, index: int, last: int) -> bool:
-        """Never: an idle rank's whole TP group is idle, and the pool's sum waits for the step's end."""
-        return False
+    def _local_dtypes(self) -> dict[torch.dtype, int]:
+        """Elements of the local shards per dtype, in the order the sums run."""
+        out: dict[torch.dtype, int] = {}
+        for p in self.params:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            out[local.dtype] = out.get(local.dtype, 0) + local.numel()
+        return out
+
+    def collectives(self) -> tuple[tuple[str, str, int, str], ...]:
+        """One all-reduce over the pool per dtype of the local shards (the partial sums are their own operation)."""
+        if self.alone:
+            return ()
+        return tuple(("grad", "all_reduce", n, str(d).removeprefix("torch.")) for d, n in self._local_dtypes().items())
+
+    def sum_partials(self) -> None:
+        """Sum the partial gradients over the TP group (the step's ``partial_sum`` operation: the TP ranks of a pool
+        position ran the same microbatches, so they hold the same partial gradients and call the same
+        collectives)."""
+        sum_partial_gradients(self.params)
 
     def finish(self) -> None:
-        """Sum every gradient over the TP group where it is partial, then over the pool (a rank whose parameter got
-        none contributes zeros)."""
-        sum_partial_gradients(self.params)
+        """Sum every gradient over the pool (a rank whose parameter got none contributes zeros)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             by_dtype.setdefault(local.dtype, []).append(local)
-        for grads in by_dtype.values():
-            _all_reduce_in_place(grads, self.group)
+        if not self.alone:
+            for grads in by_dtype.values():
+                _all_reduce_in_place(grads, self.group)
 
 
 class TensorPoolRuntime(PoolRuntime):
@@ -198,6 +219,13 @@ class TensorPoolRuntime(PoolRuntime):
                         self.tensor_equal_group = pg
         return super().setup()
 
+    def step_layout(self) -> StepLayout:
+        """Stages x pool positions x TP and the sharding (hsdp's nodes: :attr:`hsdp_shard` positions)."""
+        mode = self.sharding.mode if self.sharding is not None else "none"
+        positions = self.positions
+        node = self.hsdp_shard or positions.pool
+        return StepLayout(stages=positions.stages, pool=positions.pool, tensor=self.tensor, sharding=mode, node=node)
+
     def to_global(self, record: Group) -> Group:
         """A plan's group (pool positions) as global ranks of this stage and TP index."""
         return Group(
@@ -212,7 +240,7 @@ class TensorPoolRuntime(PoolRuntime):
         params = [p for p in module.parameters() if p.requires_grad]
         if self._tensor_sync is None or [id(p) for p in self._tensor_sync.params] != [id(p) for p in params]:
             assert self.stage_group is not None, "TensorPoolRuntime.setup has not run"
-            self._tensor_sync = TensorGradientSync(params, self.stage_group)
+            self._tensor_sync = TensorGradientSync(params, self.stage_group, partial_sums=self.sequence_parallel)
         return self._tensor_sync
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
