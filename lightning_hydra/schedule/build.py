@@ -365,7 +365,8 @@ def _grad_call(layout: StepLayout, rank: int, kind: CommKind, name: str, numel: 
 
 
 def save_program(layout: StepLayout) -> list[Op]:
-    """Every rank's operations of a checkpoint save between two steps (the same on every rank)."""
+    """A rank's operations of a sharded checkpoint save between two steps (the same on every rank: the path's
+    broadcast and ``torch.distributed.checkpoint``'s collectives, over the world)."""
     return [Op(kind="save", comms=tuple(c for c in (layout.world(),) if c is not None), calls=None)]
 
 

@@ -132,8 +132,12 @@ class HydraRuntime(ABC):
         self.world_rank = global_rank
         """This rank in the default process group (a pool position's rank, or another under pipelines and TP)."""
         self.observer: Any = None
-        """Called with ``(index, op)`` before every operation of a step and ``(len, None)`` after the last (a
-        test's recorder of the real collectives); ``None``: nobody watches."""
+        """Told when a step's list begins, which operation runs and when it ends
+        (:class:`~lightning_hydra.strategy.recorder.StepObserver`: a test's recorder of the real collectives);
+        ``None``: nobody listens."""
+        self.watchdog: Any = None
+        """Reports an operation of a step that runs too long (:class:`~lightning_hydra.strategy.watchdog.Watchdog`);
+        ``None``: none."""
         self.calibrate = calibrate
         self.calibrator = calibrator if calibrator is not None else CostCalibrator()
         self.module: nn.Module | None = None

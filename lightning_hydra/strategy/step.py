@@ -4,9 +4,10 @@
 program`) and runs it operation by operation: the plan's digest check, the FSDP gathers, every forward, backward
 and pipeline exchange in the list's order (a zero-token pass where the list says so), the gradient sum, the loss
 sum, the measurement gather, the cost model's broadcast and the gradient norm. An observer (a test's recorder of
-``torch.distributed`` calls, :mod:`lightning_hydra.strategy.recorder`) is told which operation runs, and a failure
-inside an operation is raised again with the rank and the operation it was in, so a collective that times out says
-where.
+``torch.distributed`` calls, :mod:`lightning_hydra.strategy.recorder`) is told which operation runs; the runtime's
+:class:`~lightning_hydra.strategy.watchdog.Watchdog` reports an operation that runs too long, on every stuck rank;
+and a failure inside an operation is raised again with the rank and the operation it was in, so a collective that
+times out says where.
 
 **Pipeline exchanges.** Each exchange is one ``batch_isend_irecv`` with the neighbour it names. Shapes come from the
 list (every stage holds the same plan: no header travels, nothing is read back to the host) and the dtype from the
@@ -16,6 +17,7 @@ every transfer once the microbatches are done.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -147,24 +149,28 @@ class StepRunner:
     def run(self) -> torch.Tensor:
         """Run every operation of the list; returns the global batch's mean token loss (the same on every rank)."""
         runtime = self.runtime
-        observe: Callable[[int, Op | None], None] | None = getattr(runtime, "observer", None)
+        observer = runtime.observer
+        watchdog = runtime.watchdog
         runtime.comm_clock.discard()
         if self.sync is not None:
             self.sync.begin()
-        for index, op in enumerate(self.program):
-            if observe is not None:
-                observe(index, op)
-            try:
-                getattr(self, f"_{op.kind}")(op)
-            except StepFailure:
-                raise
-            except Exception as exc:
-                raise StepFailure(
-                    f"rank {runtime.world_rank} failed in {op.describe()} (operation {index} of "
-                    f"{len(self.program)} of its step): {type(exc).__name__}: {exc}"
-                ) from exc
-        if observe is not None:
-            observe(len(self.program), None)
+        if observer is not None:
+            observer.begin(self.program)
+        try:
+            for index, op in enumerate(self.program):
+                if observer is not None:
+                    observer.enter(index)
+                with watchdog.watch(op.describe()) if watchdog is not None else contextlib.nullcontext():
+                    try:
+                        getattr(self, f"_{op.kind}")(op)
+                    except Exception as exc:
+                        raise StepFailure(
+                            f"rank {runtime.world_rank} failed in {op.describe()} (operation {index} of "
+                            f"{len(self.program)} of its step): {type(exc).__name__}: {exc}"
+                        ) from exc
+        finally:
+            if observer is not None:
+                observer.end()
         assert self.loss is not None, "a step list without a loss sum"
         return self.loss
 

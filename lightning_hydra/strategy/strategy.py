@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ from lightning_hydra.models.checkpointing import check_checkpointing_mode
 from lightning_hydra.planner import POLICIES, CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
 from lightning_hydra.planner.memory import MemoryBreakdown, parse_bytes
+from lightning_hydra.schedule import save_program
 from lightning_hydra.strategy.capacity import configure_cuda_allocator, device_budget, pool_memory
 from lightning_hydra.strategy.checkpoint import (
     full_state_dict,
@@ -55,6 +57,7 @@ from lightning_hydra.strategy.runtime import model_heads, with_node_size
 from lightning_hydra.strategy.sharding import SHARDING_MODES, build_mesh, shard_model, sync_module_states
 from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, resolve_sequence_parallel
 from lightning_hydra.strategy.tensor_pool import TensorPoolRuntime
+from lightning_hydra.strategy.watchdog import Watchdog, collective_timeout, watchdog_limit
 
 __all__ = ["HydraStrategy"]
 
@@ -162,7 +165,9 @@ class HydraStrategy(ParallelStrategy):
             checkpoint_io: How checkpoints are written.
             precision_plugin: The precision plugin (set by the Trainer).
             process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by accelerator).
-            timeout: Collective timeout.
+            timeout: Collective timeout (default: ``LIGHTNING_HYDRA_COLLECTIVE_TIMEOUT`` seconds where set, else
+                torch's 30 minutes). An operation of a step that runs half as long is reported, on every rank that
+                waits in it, with its communicators (:mod:`lightning_hydra.strategy.watchdog`).
             start_method: How Lightning launches the processes (``"popen"``, ``"spawn"``, ``"fork"``,
                 ``"forkserver"``; a ``forkserver`` rank gets the launching process's environment, global state and a
                 copy of the model of its own, as a ``spawn`` rank does).
@@ -230,7 +235,7 @@ class HydraStrategy(ParallelStrategy):
         """The pool's runtime (plans, communicators, gradient sums, measurements); built at the first set-up."""
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = collective_timeout(timeout) if timeout is default_pg_timeout else timeout
         self._start_method = start_method
         self._wrapped = 0
         self._staged = False
@@ -360,6 +365,9 @@ class HydraStrategy(ParallelStrategy):
                 local_world_size=self.num_processes,
                 **kwargs,
             )
+        limit = watchdog_limit(self._timeout)
+        if limit is not None and self.runtime.watchdog is None:
+            self.runtime.watchdog = Watchdog(self.global_rank, limit)
         if self._restored_cost is not None:
             self.runtime.cost_model = self._restored_cost
             self._restored_cost = None
@@ -588,6 +596,8 @@ class HydraStrategy(ParallelStrategy):
         if self.runtime is not None:
             cache = self.runtime.cache
             log.debug("HydraStrategy teardown: %d CP communicators held, %d created", len(cache), cache.created)
+            if self.runtime.watchdog is not None:
+                self.runtime.watchdog.stop()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -655,7 +665,9 @@ class HydraStrategy(ParallelStrategy):
             return
         if storage_options is not None:
             raise TypeError("HydraStrategy writes sharded checkpoints itself: storage_options is not supported")
-        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), global_rank=self.global_rank)
+        observer = self.runtime.observer if self.runtime is not None else None
+        with observer.running(save_program(self.runtime.step_layout())) if observer is not None else nullcontext():
+            save_sharded_checkpoint(checkpoint, self.broadcast(filepath), global_rank=self.global_rank)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
