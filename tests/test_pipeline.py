@@ -19,6 +19,7 @@ from lightning_hydra.models.stages import stage_layers
 from lightning_hydra.planner.calibration import NUM_FEATURES
 from lightning_hydra.schedule import exchanges, stage_order
 from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.recorder import RecordCollectives, recorded_runs
 from lightning_hydra.testing import quiet_trainer
 
 LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 110, 25, 88, 140, 5]
@@ -91,8 +92,10 @@ def link_trace(trace: list, peer: int) -> list[list[tuple[str, list[int]]]]:
 
 def _fit(tmp: Path, name: str, model: DecoderLM, devices: int, strategy=None) -> list[list[dict]]:
     out = tmp / name
-    trainer = quiet_trainer(devices, strategy, callbacks=[Log(out)], max_steps=3)
+    trainer = quiet_trainer(devices, strategy, callbacks=[Log(out), RecordCollectives(f"{out}.ops")], max_steps=3)
     trainer.fit(model, HydraDataModule(make_dataset(), global_batch_tokens=700, seed=2))
+    if devices > 1:  # every rank issued exactly its operation lists, and they pass the checker
+        recorded_runs(f"{out}.ops", devices)
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.cp import CPContext
 from lightning_hydra.strategy.prelaunch import SpawnLauncher
+from lightning_hydra.strategy.recorder import RecordCollectives, recorded_runs
 from lightning_hydra.strategy.sharding import build_mesh, state_bytes
 from lightning_hydra.testing import quiet_trainer
 
@@ -71,10 +72,14 @@ def _fit(
 ) -> list[dict]:
     out = tmp / f"{name}.json"
     callbacks = [LossLog(out), *kw.pop("callbacks", [])]
+    checkpoints = len(callbacks) > 1
+    callbacks.append(RecordCollectives(tmp / f"{name}.ops"))
     trainer = quiet_trainer(
-        devices, strategy, callbacks=callbacks, max_steps=steps, enable_checkpointing=len(callbacks) > 1, **kw
+        devices, strategy, callbacks=callbacks, max_steps=steps, enable_checkpointing=checkpoints, **kw
     )
     trainer.fit(model, HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5), ckpt_path=ckpt)
+    if devices > 1:  # every rank issued exactly its operation lists (saves included), and they pass the checker
+        recorded_runs(tmp / f"{name}.ops", devices)
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
 
 

@@ -23,6 +23,7 @@ from lightning_hydra.planner.memory import (
 )
 from lightning_hydra.strategy.capacity import memory_shape
 from lightning_hydra.strategy.prelaunch import preflight
+from lightning_hydra.strategy.recorder import RecordCollectives, recorded_runs
 from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, tensor_mesh
 from lightning_hydra.testing import quiet_trainer, run_world
 from tests.test_sharding import make_dataset, make_model  # the sharding tests' data and model (SGD, clipping)
@@ -69,8 +70,11 @@ class Record(pl.Callback):
 
 def _fit(tmp: Path, name: str, model: DecoderLM, devices: int, steps: int, strategy=None) -> list[dict]:
     out = tmp / f"{name}.json"
-    trainer = quiet_trainer(devices, strategy, callbacks=[Record(out)], max_steps=steps)
+    callbacks = [Record(out), RecordCollectives(tmp / f"{name}.ops")]
+    trainer = quiet_trainer(devices, strategy, callbacks=callbacks, max_steps=steps)
     trainer.fit(model, HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
+    if devices > 1:  # every rank issued exactly its operation lists (TP's collectives too), and they pass the checker
+        recorded_runs(tmp / f"{name}.ops", devices)
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
 
 
@@ -413,10 +417,11 @@ def test_checkpoint_reshards_between_tensor_parallel_degrees(
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1, filename="stop")
     out = tmp_path / "full.json"
-    trainer = quiet_trainer(
-        2 * saved, strategy(saved), callbacks=[Record(out), ckpt], max_steps=3, enable_checkpointing=True
-    )
+    ops = tmp_path / "full.ops"  # the save's collectives are recorded and checked with the steps'
+    callbacks = [Record(out), ckpt, RecordCollectives(ops)]
+    trainer = quiet_trainer(2 * saved, strategy(saved), callbacks=callbacks, max_steps=3, enable_checkpointing=True)
     trainer.fit(model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
+    assert any(p[0].kind == "save" for p in recorded_runs(ops, 2 * saved)[0]["programs"])
     full = [json.loads(Path(f"{out}.rank0").read_text())]
     path = tmp_path / "ckpt" / "stop.ckpt"
     assert path.is_dir()  # a torch.distributed.checkpoint directory

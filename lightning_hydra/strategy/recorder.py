@@ -106,7 +106,7 @@ class _Functional(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         name = str(func)
         if name.startswith("_c10d_functional.") and not any(w in name for w in ("wait_tensor", "_wrap_tensor")):
-            group = next((a for a in args if isinstance(a, str)), None)
+            group = next((a for a in reversed(args) if isinstance(a, str)), None)  # the group's name comes last
             resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
             ranks = _ranks(resolve(group)) if group is not None and resolve is not None else ()
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
