@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_hydra._environ import LaunchEnvironment
+from lightning_hydra.strategy.watchdog import collective_timeout
 
 __all__ = ["RANK_START_METHOD", "preload_for_ranks", "quiet_trainer", "run_world"]
 
@@ -77,7 +78,8 @@ def _worker(
     del environ  # a LaunchEnvironment: the caller's variables, set before ``fn`` and ``args`` were unpickled
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = collective_timeout(None)  # LIGHTNING_HYDRA_COLLECTIVE_TIMEOUT, where set: a hang raises, naming where
+    dist.init_process_group("gloo", rank=rank, world_size=world, **({"timeout": timeout} if timeout else {}))
     try:
         result: Any = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # report to the parent instead of hanging the others

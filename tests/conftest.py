@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lightning_hydra.planner import CostModel
 from lightning_hydra.testing import preload_for_ranks
+
+# every multi-rank run of the suite (HydraStrategy left at its default timeout, run_world) times its collectives out
+# after 3 minutes, and the watchdog names each stuck rank's operation after 90 s: a hang fails its test with a
+# message instead of stalling CI (pytest's own per-test timeout, pyproject.toml, is the last resort); set before
+# the fork server starts, which keeps this environment
+os.environ.setdefault("LIGHTNING_HYDRA_COLLECTIVE_TIMEOUT", "180")
 
 # ranks start from a fork server that imported these once (a spawned rank imports them again: 10-25 s per test),
 # started here, before any test could change the environment it keeps

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -281,30 +280,3 @@ def test_the_checker_names_the_communicator_and_both_ranks() -> None:
         check_programs({0: mine, 1: theirs})
     assert projection(mine, comm) == [(0, mine[0].signature(comm))]
     assert layout.world() == Comm("world", (0, 1))
-
-
-def test_the_legacy_order_breaks_some_hydra_plans_at_two_stages_by_four(monkeypatch) -> None:
-    """What the issue measured: at 2 stages x a pool of 4, some hydra batches put two positions of one group out of
-    order under a per-position 1F1B; none at the pool of 2 the tests ran before."""
-    rng = np.random.default_rng(0)
-    broken = {2: 0, 4: 0}
-    for pool in broken:
-        for trial in range(60):
-            lengths = rng.integers(3, 240, size=int(rng.integers(5, 25)))
-            try:
-                plan = schedule(
-                    lengths, world_size=pool, num_microbatches=6, max_tokens_per_rank=128, cost=COST,
-                    policy="hydra", ranks_per_node=4, num_heads=4, num_kv_heads=2, seed=trial, pipeline_stages=2,
-                )  # fmt: skip
-            except PlanError:
-                continue
-            layout = StepLayout(stages=2, pool=pool)
-            work = plan_work(plan)
-            check_programs(step_programs(layout, work, StepOptions()))
-            with monkeypatch.context() as patched:
-                patched.setattr(build, "stage_order", _legacy_order)
-                try:
-                    check_programs(step_programs(layout, work, StepOptions()))
-                except ScheduleError:
-                    broken[pool] += 1
-    assert broken[2] == 0 and broken[4] > 0, broken
