@@ -1,5 +1,6 @@
 """Dtype rules that a GPU run depends on, checked on CPU: RoPE angles in float32, cos/sin in the activations'
-dtype (bf16 q and k stay bf16 for the flash kernels), no floating buffer a precision plugin could round."""
+dtype (bf16 q and k stay bf16 for the flash kernels), q, k and v in autocast's dtype once the engine takes them, no
+floating buffer a precision plugin could round."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ class _Spy(CPContext):
     def __init__(self) -> None:
         super().__init__("cpu")
         self.seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
+        self.out: list[torch.dtype] = []
 
     def attention(self, q, k, v, *, causal=True, scale=None):
         self.seen.append((q.dtype, k.dtype, v.dtype))
-        return super().attention(q, k, v, causal=causal, scale=scale)
+        out = super().attention(q, k, v, causal=causal, scale=scale)
+        self.out.append(out.dtype)
+        return out
 
 
 def _tiny() -> DecoderLM:
@@ -40,6 +44,24 @@ def test_bf16_model_feeds_bf16_queries_and_keys_to_attention() -> None:
         logits = model(ids, pos)
     assert logits.dtype == torch.bfloat16
     assert spy.seen and all(d == (torch.bfloat16,) * 3 for d in spy.seen), spy.seen
+
+
+def test_autocast_over_a_float32_model_reaches_attention_in_mixed_dtypes_the_engine_unifies() -> None:
+    """``bf16-mixed`` without FSDP: the float32 residual stream makes float32 cos/sin, so q and k arrive float32
+    beside the bf16 v of an autocast projection; the engine casts all three (as SDPA does) and returns bf16, and the
+    backward reaches the float32 parameters through the casts."""
+    model = _tiny()
+    spy = _Spy()
+    for layer in model.layers:
+        layer.attn.hydra_cp = spy
+    ids = torch.randint(0, 64, (24,))
+    with torch.autocast("cpu", dtype=torch.bfloat16), spy.use(CPContext.local_group(), [0, 10, 24]):
+        loss = model(ids, torch.arange(24), labels=ids)
+    loss.backward()
+    assert spy.seen == [(torch.float32, torch.float32, torch.bfloat16)] * 2
+    assert spy.out == [torch.bfloat16] * 2
+    q_proj = model.layers[0].attn.q_proj.weight
+    assert q_proj.dtype == q_proj.grad.dtype == torch.float32 and bool(q_proj.grad.abs().sum() > 0)
 
 
 def test_no_floating_buffer_for_a_precision_plugin_to_round() -> None:

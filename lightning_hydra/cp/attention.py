@@ -14,7 +14,7 @@ from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout
 from lightning_hydra.cp.ring import ring_attention
 from lightning_hydra.cp.ulysses import ulysses_gather, ulysses_scatter
 
-__all__ = ["attend", "check_inputs", "hydra_attn_func", "kv_replication"]
+__all__ = ["attend", "autocast_inputs", "check_inputs", "hydra_attn_func", "kv_replication"]
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
@@ -32,8 +32,38 @@ def kv_replication(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
     raise ValueError(f"{num_kv_heads} KV heads cannot be spread over ulysses {ulysses} for {num_heads} heads")
 
 
+def autocast_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k``, ``v`` as the engine takes them: in autocast's dtype when autocast is on for their device, as
+    torch's ``scaled_dot_product_attention`` takes its inputs (a lower-precision op under autocast); unchanged
+    otherwise.
+
+    Under ``bf16-mixed`` without FSDP the residual stream is float32: RoPE's float32 cos/sin (or a model's own
+    float32 rotation) promote q and k back to float32 while v leaves its projection in bf16. The cast is autograd's
+    (``Tensor.to``): the engine's gradients come back in bf16 and reach float32 q and k as float32. Like autocast,
+    it casts every floating dtype but float64 (left alone, for the kernel to refuse).
+
+    Args:
+        q: ``[t, H, D]`` queries.
+        k: ``[t, Hkv, D]`` keys.
+        v: ``[t, Hkv, D]`` values.
+    """
+    device_type = q.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return q, k, v  # no autocast on this device (``meta`` has none) or not enabled
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        eligible = x.is_floating_point() and x.dtype != torch.float64  # autocast's own rule (cached_cast)
+        return x.to(dtype) if eligible and x.dtype != dtype else x
+
+    return cast(q), cast(k), cast(v)
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGroup, layout: MicrobatchLayout) -> None:
-    """Raise ``ValueError`` for shapes that do not fit the group and the bin (host checks only)."""
+    """Raise ``ValueError`` for shapes that do not fit the group and the bin, ``TypeError`` for q, k, v of different
+    dtypes (host checks only; after :func:`autocast_inputs`, which unifies them under autocast)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"q, k, v must be [tokens, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -53,6 +83,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGro
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} (under torch.autocast the engine "
+            "casts them to autocast's dtype, as scaled_dot_product_attention does; outside it, cast them yourself)"
+        )
 
 
 def plan_for(
@@ -108,9 +143,11 @@ def hydra_attn_func(
 ) -> torch.Tensor:
     """Attention of this rank's zigzag shard of a bin, with the rest of the bin held by the other members.
 
-    Every sequence attends only to itself (document masking). Differentiable; gradients are exact. This builds
-    the microbatch's plan (index tensors, boundaries) on every call; inside :meth:`CPContext.use` the plan is
-    built once per microbatch and shared by every layer.
+    Every sequence attends only to itself (document masking). Differentiable; gradients are exact. Under
+    ``torch.autocast`` q, k and v are first cast to autocast's dtype (:func:`autocast_inputs`), as torch's SDPA
+    casts its inputs; the output then has that dtype. This builds the microbatch's plan (index tensors,
+    boundaries) on every call; inside :meth:`CPContext.use` the plan is built once per microbatch and shared by
+    every layer.
 
     Args:
         q: ``[t, H, D]`` this rank's shard of the queries (zigzag layout of degree ``group.degree``).
@@ -130,8 +167,9 @@ def hydra_attn_func(
     Raises:
         ValueError: The rank is not in ``group``, heads do not split over the Ulysses degree, or the shard
             length does not match ``cu_seqlens`` and the degree.
-        TypeError: A dtype the kernel cannot take.
+        TypeError: A dtype the kernel cannot take, or q, k, v of different dtypes outside autocast.
     """
+    q, k, v = autocast_inputs(q, k, v)
     rank = dist.get_rank() if dist.is_initialized() else 0
     member = group.member(rank)
     layout = MicrobatchLayout(cu_seqlens, group.ulysses, group.ring, member)

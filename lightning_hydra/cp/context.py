@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hydra.cp.attention import attend, check_inputs, plan_for
+from lightning_hydra.cp.attention import attend, autocast_inputs, check_inputs, plan_for
 from lightning_hydra.cp.groups import CPGroup
 from lightning_hydra.cp.kernels import KERNEL_NAMES, AttentionKernel, select_kernel
 from lightning_hydra.cp.plan import AttentionPlan, MicrobatchLayout
@@ -83,10 +83,20 @@ class CPContext:
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
     ) -> torch.Tensor:
-        """CP attention of this rank's shard ``[t, H, D]`` for the current microbatch."""
+        """CP attention of this rank's shard ``[t, H, D]`` for the current microbatch (under ``torch.autocast`` in
+        autocast's dtype, q, k and v cast to it first: :func:`~lightning_hydra.cp.attention.autocast_inputs`).
+
+        Args:
+            q: ``[t, H, D]`` queries.
+            k: ``[t, Hkv, D]`` keys.
+            v: ``[t, Hkv, D]`` values.
+            causal: Causal attention within each sequence.
+            scale: Softmax scale (default ``D ** -0.5``).
+        """
         mb = self.current
         if mb is None or mb.layout is None:
             raise RuntimeError("no CP microbatch is active: run the forward inside CPContext.use(group, cu_seqlens)")
+        q, k, v = autocast_inputs(q, k, v)
         check_inputs(q, k, v, mb.group, mb.layout)
         kern = self.kernel_for(q.device)
         kern.check_dtype(q.dtype)

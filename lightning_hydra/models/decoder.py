@@ -34,7 +34,10 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables of a packed shard: angles in float32 from each token's true position, cos/sin returned in the
-    activations' dtype (so that ``q * cos`` keeps bf16 activations bf16 for the flash kernels).
+    activations' dtype (so that ``q * cos`` keeps bf16 activations bf16 for the flash kernels). Under autocast over
+    a float32 residual stream (``bf16-mixed`` without FSDP) the tables are float32, so q and k leave RoPE in float32
+    beside a bf16 v; the CP engine casts all three to autocast's dtype, as torch's SDPA does
+    (:func:`~lightning_hydra.cp.attention.autocast_inputs`).
 
     The inverse frequencies are recomputed in float32 on the positions' device at every call (``head_dim / 2``
     values, once per forward, shared by every layer) instead of living in a buffer: precision plugins cast a

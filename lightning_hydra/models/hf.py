@@ -42,6 +42,8 @@ def hydra_hf_attention(
     The engine computes document-masked causal (or, with ``is_causal=False``, bidirectional) softmax attention. What a
     model asks beyond that (its own mask or bias, a sliding window, logit soft-capping, attention sinks, dropout) is
     refused with an error rather than dropped: dropped, it would train other attention than the model's, silently.
+    Under autocast the engine casts q, k and v to autocast's dtype (transformers' rotary tables take the hidden
+    states' dtype: float32 under ``bf16-mixed`` without FSDP, beside a bf16 value projection), as SDPA does.
     """
     cp = getattr(module, "hydra_cp", None)
     if cp is None:
