@@ -177,7 +177,8 @@ class StepOptions:
     """FSDP units of the rank's stage (sharded state), in the order they are gathered."""
     grad_calls: tuple[tuple[CommKind, str, int, str], ...] = ()
     """The gradient sum's collectives in order, as ``(communicator kind, function, numel, dtype)`` with the kind
-    ``"grad"`` or ``"tp"`` (replicas, and TP without sharding; FSDP reduces inside the last backward)."""
+    ``"grad"`` or ``"tp"`` (replicas, and TP without sharding; none for a pool of one; FSDP reduces inside the
+    backwards, and a sharded step has no gradient sum operation)."""
     partial_sum: bool = False
     """Partial gradients (sequence-parallel norms under TP) are summed over the TP group before the pool's sum."""
     calibrate: bool = False
@@ -329,9 +330,9 @@ def rank_program(layout: StepLayout, work: Sequence[Work], rank: int, options: S
             arms=arms,
         )
         _post(b, stage, after, tokens)
-    if train and options.partial_sum and tp is not None:
+    if train and options.partial_sum and tp is not None and backwards:  # no backward, no partial gradient
         b.add("partial_sum", [tp], None)
-    if train and options.grad_calls:
+    if train and layout.sharding == "none":  # FSDP reduces inside the backwards; replicas and TP sum here
         calls = [_grad_call(layout, rank, *c) for c in options.grad_calls]
         b.add("grad_sum", dict.fromkeys(c.comm for c in calls), calls)
     if not train and layout.explicit_gathers:
