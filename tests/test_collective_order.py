@@ -201,6 +201,7 @@ class _MisorderedStrategy(HydraStrategy):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("isolated_process")  # a failed launch leaves no port or variable to the tests after it
 def test_a_misordered_collective_fails_in_seconds_naming_ranks_and_communicator(tmp_path: Path) -> None:
     strategy = _MisorderedStrategy(
         policy="static",  # groups of two in every microbatch: (0, 1) and (2, 3)
