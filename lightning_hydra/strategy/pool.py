@@ -47,6 +47,7 @@ class PoolRuntime(HydraRuntime):
         local_world_size: int = 1,
         layout: PipelineLayout | None = None,
         world_rank: int | None = None,
+        replicas: bool = True,
         **kwargs: Any,
     ) -> None:
         """Args:
@@ -54,6 +55,8 @@ class PoolRuntime(HydraRuntime):
         local_world_size: Ranks on this host (for :attr:`oversubscribed`).
         layout: Pipeline stages x pool (default: one stage of ``world_size`` ranks).
         world_rank: This rank in the default process group (default: ``global_rank``).
+        replicas: The ranks hold replicas whose gradients this runtime sums (``False``: sharded state, which FSDP
+            reduces over its own mesh: no gradient communicator is created).
         **kwargs: See :class:`HydraRuntime`.
         """
         super().__init__(**kwargs)
@@ -70,6 +73,7 @@ class PoolRuntime(HydraRuntime):
         never the world's, which pipeline and ring transfers use (an asynchronous bucket sum launched in a rank's
         last backward must not hold up a transfer queued behind it on the same communicator)."""
         self._owned_groups: list[dist.ProcessGroup] = []
+        self.replicas = replicas
         self.cache = GroupCache(backend=backend, clock=self.comm_clock)
         self.local_world_size = local_world_size
         self._reducer: GradientReducer | None = None
@@ -89,7 +93,7 @@ class PoolRuntime(HydraRuntime):
         made = self.cache.create(copy for block in local for copy in self.copies(block))
         if made:
             self.cache.warm_up(self.world_rank, self.device)
-        if self.stage_group is None:
+        if self.stage_group is None and self.replicas:
             for s in range(self.layout.stages):  # every rank creates every stage's group, in order
                 pg = dist.new_group(list(self.layout.stage_ranks(s)))
                 self._owned_groups.append(pg)
@@ -181,6 +185,8 @@ class PoolRuntime(HydraRuntime):
         if self._reducer is None or ids != self._reducer_params:
             if self._reducer is not None:
                 self._reducer.remove()
+            if self.stage_group is None:
+                raise RuntimeError("PoolRuntime.setup has not run (or was made for sharded state): no gradient group")
             self._reducer = GradientReducer(params, group=self.stage_group)
             self._reducer_params = ids
         return self._reducer

@@ -363,6 +363,7 @@ class HydraStrategy(ParallelStrategy):
                 calibrator=self.calibrator,
                 backend=self._process_group_backend,
                 local_world_size=self.num_processes,
+                replicas=self.sharding == "none",
                 **kwargs,
             )
         limit = watchdog_limit(self._timeout)
