@@ -7,6 +7,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,16 @@ def test_one_rank_world_checks_run_the_strategys_step_on_cpu() -> None:
 
 
 MULTI = SCRIPT.parent / "multi_gpu_check.py"
+ROOT = SCRIPT.parents[1]
+
+
+def _load_multi(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # it imports gpu_check from beside it
+    spec = importlib.util.spec_from_file_location("multi_gpu_check", MULTI)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "multi_gpu_check", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_multi_gpu_dry_run_lists_its_checks() -> None:
@@ -86,9 +97,92 @@ def test_multi_gpu_dry_run_lists_its_checks() -> None:
     assert done.returncode == 0 and [line["check"] for line in lines[:-1]] == [
         "ring",
         "all_to_all",
+        "nested_gqa",
         "tp2_vocab_loss",
         "pipeline",
         "zero2",
         "tp2",
         "tp2_hsdp",
+        "pipeline_hydra",
+        "zero2_idle_first",
+        "bf16_none",
     ]
+    assert lines[-1]["checks"] == 11
+
+
+def test_multi_gpu_checks_option_runs_some_in_the_scripts_order(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    multi = _load_multi(monkeypatch)
+    assert multi.main(["--dry-run", "--checks", "bf16_none, ring"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [line["check"] for line in lines[:-1]] == ["ring", "bf16_none"] and lines[-1]["checks"] == 2
+    with pytest.raises(SystemExit, match=r"unknown checks \['nope'\]"):
+        multi.main(["--dry-run", "--checks", "ring,nope"])
+
+
+def test_multi_gpu_hazard_fields_read_the_operation_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``pipeline_hydra`` and ``zero2_idle_first`` report of the plans that ran, from lists built here."""
+    from lightning_hydra.schedule import StepLayout, StepOptions, Work, step_programs
+
+    multi = _load_multi(monkeypatch)
+    alone, pair, idle = Work((0,), 5), Work((0, 1), 6), Work((1,), 0)
+    # position 1 sits microbatches 0 and 2 out and shares (0, 1) with position 0 in 1 and 3: its own 1F1B over
+    # [1, 3] runs F1 F3 B1 B3 where position 0's runs F1 B1 F3 B3
+    work = [[alone, pair, alone, pair], [idle, pair, idle, pair]]
+    programs = step_programs(StepLayout(stages=2, pool=2), work, StepOptions())
+    assert multi._stage_work([programs[0], programs[1]]) == work  # what the lists say of the plan
+    assert multi.old_order_hazard(work, 2)
+    assert not multi.old_order_hazard([[pair] * 4] * 2, 2)
+    zero2 = StepLayout(pool=2, sharding="zero2")
+    first_idle = step_programs(zero2, [[alone, pair], [idle, pair]], StepOptions(units=2))
+    last_idle = step_programs(zero2, [[pair, alone], [pair, idle]], StepOptions(units=2))
+    assert multi.idle_first(list(first_idle.values())) and not multi.idle_first(list(last_idle.values()))
+
+
+def _torchrun(ranks: int, *args: str, timeout: float = 280) -> tuple[subprocess.CompletedProcess, list[dict], float]:
+    """The script under torchrun over gloo: the process, rank 0's JSON lines, and the wall seconds it took."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    start = time.monotonic()
+    done = subprocess.run(
+        [*command, str(MULTI), "--device", "cpu", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return done, rows, time.monotonic() - start
+
+
+@pytest.mark.timeout(300)
+def test_multi_gpu_new_checks_pass_over_gloo_at_four_ranks() -> None:
+    """Nested Ulysses x ring with GQA, 2 stages x a pool of 2 under hydra, zero2 with ranks idle in microbatch 0 and
+    bf16-mixed without FSDP, each against one process, with every rank's collectives recorded and checked."""
+    done, rows, _ = _torchrun(4, "--checks", "nested_gqa,pipeline_hydra,zero2_idle_first,bf16_none")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    by_name = {row["check"]: row for row in rows[:-1]}
+    assert list(by_name) == ["nested_gqa", "pipeline_hydra", "zero2_idle_first", "bf16_none"]
+    assert all(row["ok"] for row in rows), rows
+    nested = by_name["nested_gqa"]
+    assert (nested["ulysses"], nested["ring"]) == (2, 2)
+    assert {k: v["kv_replication"] for k, v in nested["heads"].items()} == {"8/2": 1, "12/3": 2}
+    for name in ("pipeline_hydra", "zero2_idle_first", "bf16_none"):
+        assert by_name[name]["recorded_ok"], by_name[name]
+    assert by_name["zero2_idle_first"]["idle_first"]  # reversed plans: a rank sat microbatch 0 out
+    assert by_name["pipeline_hydra"]["pool"] == 2 and "old_order_hazard_needs" in by_name["pipeline_hydra"]
+    assert by_name["bf16_none"]["precision"] == "bf16-mixed"
+    assert rows[-1]["summary"] and rows[-1]["ok"] and rows[-1]["checks"] == 4
+
+
+@pytest.mark.timeout(300)
+def test_multi_gpu_hung_check_fails_at_its_deadline_naming_check_and_operation() -> None:
+    """The last rank never reaches the first step's plan digest check: the deadline (8 s) ends the run with the
+    check's row and the operation every rank waits in, instead of the process group's timeout (450 s here)."""
+    done, rows, seconds = _torchrun(
+        2, "--checks", "zero2_idle_first", "--hang-check", "zero2_idle_first", "--check-timeout", "8"
+    )
+    assert done.returncode != 0, done.stdout
+    row, summary = rows
+    assert row["check"] == "zero2_idle_first" and not row["ok"], rows
+    assert row["error"].startswith("timed out after 8 s, rank 0 in the plan digest check on world(0, 1)"), row
+    assert row["operation"] == "the plan digest check on world(0, 1)"
+    assert summary["summary"] and not summary["ok"] and summary["timed_out"] == "zero2_idle_first"
+    assert "check 'zero2_idle_first' timed out after 8 s, rank 1 in the plan digest check" in done.stderr
+    assert seconds < 120, seconds  # start-up, the deadline and the others' grace: far below any collective timeout

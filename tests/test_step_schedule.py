@@ -12,8 +12,6 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import lightning_hydra.schedule.build as build
-from lightning_hydra.metrics.bubbles import one_f_one_b_order
 from lightning_hydra.planner import CostModel, PlanError, schedule
 from lightning_hydra.schedule import (
     Comm,
@@ -24,6 +22,7 @@ from lightning_hydra.schedule import (
     Work,
     check_programs,
     concat,
+    per_position_order,
     plan_work,
     projection,
     save_program,
@@ -228,13 +227,6 @@ ZERO2_COUNTEREXAMPLE = _work(
 """zero2 on a pool of 4: positions 2 and 3 sit microbatch 0 out and share a group in microbatch 1."""
 
 
-def _legacy_order(stage: int, stages: int, runs, microbatches: int, *, train: bool) -> list[tuple[str, int]]:
-    """The order before the step was data: each position's own 1F1B over only the microbatches it runs."""
-    runs = list(runs)
-    order = one_f_one_b_order(stage, stages, len(runs)) if train else [("F", i) for i in range(len(runs))]
-    return [(kind, runs[i]) for kind, i in order]
-
-
 def _gather_at_first_forward(layout: StepLayout, programs: dict[int, list[Op]]) -> dict[int, list[Op]]:
     """The lists as FSDP ran them before: no gather at the step's start, every unit gathered in the rank's first
     forward instead."""
@@ -254,12 +246,11 @@ def _gather_at_first_forward(layout: StepLayout, programs: dict[int, list[Op]]) 
         (PIPELINE_ACROSS_GROUPS, r"rank 2 waits in forward of microbatch 2 [^|]* on cp\(2, 3\) for rank 3 \(backward"),
     ],
 )
-def test_a_per_position_1f1b_deadlocks_where_one_order_does_not(monkeypatch, work, found: str) -> None:
+def test_a_per_position_1f1b_deadlocks_where_one_order_does_not(work, found: str) -> None:
     layout = StepLayout(stages=2, pool=len(work))
     check_programs(step_programs(layout, work, StepOptions()))
-    monkeypatch.setattr(build, "stage_order", _legacy_order)
     with pytest.raises(ScheduleError, match=found):
-        check_programs(step_programs(layout, work, StepOptions()))
+        check_programs(step_programs(layout, work, StepOptions(), order=per_position_order))
 
 
 def test_gathers_at_a_ranks_first_forward_deadlock_where_gathers_at_the_start_do_not() -> None:

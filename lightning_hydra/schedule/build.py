@@ -30,7 +30,7 @@ orders.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_hydra.metrics.bubbles import one_f_one_b_order
@@ -43,7 +43,9 @@ __all__ = [
     "StepOptions",
     "Work",
     "ZERO_TOKEN_TOKENS",
+    "OrderRule",
     "exchanges",
+    "per_position_order",
     "plan_work",
     "rank_program",
     "save_program",
@@ -220,6 +222,22 @@ def stage_order(
     return [(kind, m) for kind, m in order if m in keep]
 
 
+def per_position_order(
+    stage: int, stages: int, runs: Sequence[int], microbatches: int, *, train: bool
+) -> list[tuple[str, int]]:
+    """The order each rank derived before the step was data: its pool position's own 1F1B over only the microbatches
+    it runs. Two members of a CP group then meet shared microbatches in different orders (it deadlocked 8 gloo ranks
+    at 2 stages x a pool of 4); kept as the counterexample that the tests and the GPU check scripts show the checker
+    catching (pass it as ``order``), never used to run a step."""
+    runs = list(runs)
+    order = one_f_one_b_order(stage, stages, len(runs)) if train else [("F", i) for i in range(len(runs))]
+    return [(kind, runs[i]) for kind, i in order]
+
+
+OrderRule = Callable[..., list[tuple[str, int]]]
+"""A stage's operation order: ``rule(stage, stages, runs, microbatches, train=...)`` (:func:`stage_order`)."""
+
+
 def _paired(upper: list[tuple[str, int]], lower: list[tuple[str, int]]) -> set[tuple[int, int]]:
     """``(m, k)`` where the earlier stage runs ``F(m)`` right before ``B(k)`` and the later one ``B(k)`` right
     before ``F(m)``: activations ``m`` and gradients ``k`` then cross the link in one exchange."""
@@ -229,7 +247,7 @@ def _paired(upper: list[tuple[str, int]], lower: list[tuple[str, int]]) -> set[t
 
 
 def exchanges(
-    stage: int, stages: int, runs: Sequence[int], microbatches: int, *, train: bool
+    stage: int, stages: int, runs: Sequence[int], microbatches: int, *, train: bool, order: OrderRule = stage_order
 ) -> list[tuple[tuple[tuple[int, Transfer], ...], tuple[tuple[int, Transfer], ...]]]:
     """For each operation of :func:`stage_order`, the transfers posted before it and after it, each as ``(peer
     side, transfer)`` with side -1 (the previous stage) or +1 (the next); a transfer's ``tokens`` is left 0 (the
@@ -241,11 +259,10 @@ def exchanges(
         runs: The microbatches the pool position runs (the same on every stage).
         microbatches: The step's microbatches.
         train: Forwards and backwards (``False``: forwards only).
+        order: The stages' order rule.
     """
     orders = {
-        s: stage_order(s, stages, runs, microbatches, train=train)
-        for s in (stage - 1, stage, stage + 1)
-        if 0 <= s < stages
+        s: order(s, stages, runs, microbatches, train=train) for s in (stage - 1, stage, stage + 1) if 0 <= s < stages
     }
     down = _paired(orders[stage], orders[stage + 1]) if stage + 1 < stages else set()
     up = _paired(orders[stage - 1], orders[stage]) if stage > 0 else set()
@@ -286,7 +303,9 @@ def _must_run(layout: StepLayout, m: int, count: int, train: bool) -> bool:
     return layout.explicit_gathers and train and m == count - 1
 
 
-def rank_program(layout: StepLayout, work: Sequence[Work], rank: int, options: StepOptions) -> list[Op]:
+def rank_program(
+    layout: StepLayout, work: Sequence[Work], rank: int, options: StepOptions, *, order: OrderRule = stage_order
+) -> list[Op]:
     """One rank's operations in one step, in the order it runs them.
 
     Args:
@@ -294,6 +313,7 @@ def rank_program(layout: StepLayout, work: Sequence[Work], rank: int, options: S
         work: The rank's pool position's share of every microbatch of the step.
         rank: The global rank.
         options: What the rank does around its microbatches.
+        order: The stages' order rule (:func:`stage_order`; :func:`per_position_order` only to show a deadlock).
     """
     stage, _, _ = layout.locate(rank)
     train = options.train
@@ -306,12 +326,13 @@ def rank_program(layout: StepLayout, work: Sequence[Work], rank: int, options: S
         for unit in range(options.units):
             b.add("gather", [shard], None, unit=unit)
     runs = [m for m in range(count) if work[m].tokens or _must_run(layout, m, count, train)]
-    order = stage_order(stage, layout.stages, runs, count, train=train)
-    posts = exchanges(stage, layout.stages, runs, count, train=train) if layout.stages > 1 else [((), ())] * len(order)
+    ops = order(stage, layout.stages, runs, count, train=train)
+    posts = exchanges(stage, layout.stages, runs, count, train=train, order=order) if layout.stages > 1 else None
+    posts = posts or [((), ())] * len(ops)
     tokens = {m: work[m].tokens or ZERO_TOKEN_TOKENS for m in runs}
-    backwards = [m for kind, m in order if kind == "B"]
+    backwards = [m for kind, m in ops if kind == "B"]
     tp = layout.tp(rank)
-    for (kind, m), (before, after) in zip(order, posts, strict=True):
+    for (kind, m), (before, after) in zip(ops, posts, strict=True):
         _post(b, stage, before, tokens)
         zero = work[m].tokens == 0
         comms = [None if zero else layout.cp(rank, work[m].group), tp]
@@ -375,6 +396,8 @@ def step_programs(
     layout: StepLayout,
     work: Sequence[Sequence[Work]],
     options: StepOptions | Sequence[StepOptions],
+    *,
+    order: OrderRule = stage_order,
 ) -> dict[int, list[Op]]:
     """Every rank's :func:`rank_program` of one step.
 
@@ -382,6 +405,7 @@ def step_programs(
         layout: Stages x pool x TP and the sharding.
         work: ``work[position][m]``: every pool position's share of every microbatch (every stage plans the same).
         options: The options of every rank, or one per stage (stages hold different layers).
+        order: The stages' order rule (see :func:`rank_program`).
     """
     if len(work) != layout.pool:
         raise ValueError(f"work for {len(work)} positions, the layout has a pool of {layout.pool}")
@@ -393,7 +417,7 @@ def step_programs(
     out = {}
     for rank in range(layout.world_size):
         stage, position, _ = layout.locate(rank)
-        out[rank] = rank_program(layout, work[position], rank, per_stage[stage])
+        out[rank] = rank_program(layout, work[position], rank, per_stage[stage], order=order)
     return out
 
 

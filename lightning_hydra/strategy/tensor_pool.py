@@ -244,9 +244,11 @@ class TensorPoolRuntime(PoolRuntime):
         return self._tensor_sync
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum of a tensor over the pool of every stage (TP ranks hold the same value: each is counted once)."""
+        """Sum of a tensor over the pool of every stage (TP ranks hold the same value: each is counted once; a single
+        position of a single stage, TP alone, holds the sum already)."""
         out = value.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.tensor_equal_group)
+        if dist.get_world_size(self.tensor_equal_group) > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.tensor_equal_group)
         return out
 
     def _gather_rows(self, row: np.ndarray) -> np.ndarray:
