@@ -131,7 +131,7 @@ def _patch_transfers(monkeypatch: pytest.MonkeyPatch, log: list | None = None) -
             if log is not None:
                 log.append(("wait", self.tag))
 
-    def exchange(send, recv, nxt, prv):
+    def exchange(send, recv, nxt, prv, group):
         recv.copy_(send)
         tag = ("kv" if send.dim() == 4 else "dkv", send.dtype)  # KV blocks are [2, t, H, D], dK/dV flat
         if log is not None:

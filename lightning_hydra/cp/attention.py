@@ -119,14 +119,18 @@ def attend(
     peers = group.ring_peers(rank)
     u = group.ulysses
     if u == 1:
-        return ring_attention(q, k, v, plan, peers, scale=scale, pool=group.buffers, clock=group.clock)
+        return ring_attention(
+            q, k, v, plan, peers, scale=scale, pool=group.buffers, clock=group.clock, group=group.ring_group
+        )
     f = kv_replication(q.shape[1], k.shape[1], u)
     if f > 1:
         k = k.repeat_interleave(f, dim=1)
         v = v.repeat_interleave(f, dim=1)
     pg = group.ulysses_groups[group.ulysses_block(rank)]
     q2, k2, v2 = ulysses_gather(q, k, v, pg, u, plan.order, plan.inverse, group.clock)
-    out2 = ring_attention(q2, k2, v2, plan, peers, scale=scale, pool=group.buffers, clock=group.clock)
+    out2 = ring_attention(
+        q2, k2, v2, plan, peers, scale=scale, pool=group.buffers, clock=group.clock, group=group.ring_group
+    )
     return ulysses_scatter(out2, pg, u, plan.order, plan.inverse, group.clock)
 
 

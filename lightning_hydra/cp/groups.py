@@ -5,7 +5,8 @@ order) and costs sockets and memory (about 0.5 GB per NCCL communicator), so :cl
 Ulysses block once, in one global (sorted) order: up front for every aligned block a pool can use
 (:func:`aligned_blocks`), warmed up with one tiny collective, or on first need in the digest-checked step prologue.
 Steady-state training creates none; :meth:`GroupCache.destroy` releases them. Ring traffic is point-to-point
-between global ranks and needs no group of its own.
+between global ranks on one communicator of its own (:attr:`GroupCache.ring_group`, created by the runtime), not on
+the default group's, which pipeline transfers and the step-boundary collectives use.
 """
 
 from __future__ import annotations
@@ -198,6 +199,10 @@ class CPGroup:
     """Communication buffers shared by the calls on this handle's cache."""
     clock: CommClock = field(default_factory=CommClock)
     """Accumulates the time spent in this handle's collectives (shared by the handles of one cache)."""
+    ring_group: dist.ProcessGroup | None = None
+    """The process group the ring's point-to-point transfers run on (global ranks address the peers): a
+    communicator of the ring's own (on NCCL its own stream, so that no other traffic queues ahead of a ring
+    step); ``None``: the default group."""
 
     @property
     def degree(self) -> int:
@@ -271,6 +276,9 @@ class GroupCache:
         """Process groups this cache has destroyed."""
         self.setup_seconds = 0.0
         """Wall seconds spent creating and warming up groups."""
+        self.ring_group: dist.ProcessGroup | None = None
+        """The ring transfers' process group, given to every handle (set by the runtime; ``None``: the default
+        group)."""
 
     def __len__(self) -> int:
         """Number of communicators held (one per distinct Ulysses block)."""
@@ -346,7 +354,7 @@ class GroupCache:
                 if block not in self._pgs:
                     raise KeyError(f"Ulysses block {block} was not created: call GroupCache.prepare on every rank")
                 pgs[block] = self._pgs[block]
-        return CPGroup(ranks, ulysses, ring, pgs, self.buffers, self.clock)
+        return CPGroup(ranks, ulysses, ring, pgs, self.buffers, self.clock, self.ring_group)
 
     def destroy(self) -> int:
         """Destroy every process group this cache created (not the world); returns how many. Collective on

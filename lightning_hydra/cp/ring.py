@@ -34,9 +34,9 @@ from lightning_hydra.cp.plan import AttentionPlan
 __all__ = ["ring_attention"]
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int) -> list:
-    """Post a batched send to the next ring rank and a receive from the previous one."""
-    ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group: dist.ProcessGroup | None) -> list:
+    """Post a batched send to the next ring rank and a receive from the previous one (global ranks, on ``group``)."""
+    ops = [dist.P2POp(dist.isend, send, nxt, group=group), dist.P2POp(dist.irecv, recv, prv, group=group)]
     return dist.batch_isend_irecv(ops)
 
 
@@ -68,6 +68,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         pool: BufferPool,
         clock: CommClock,
+        group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
         kernel, r, p = plan.kernel, plan.layout.ring, plan.layout.pos
         t, heads, dim = q.shape
@@ -86,7 +87,7 @@ class _RingAttention(torch.autograd.Function):
             if plan.gathered is not None:
                 kpos = torch.empty((2, index.numel(), *k.shape[1:]), dtype=k.dtype, device=k.device)
             for s in range(r):
-                pending = _exchange(cur, nxt, peers[(p + 1) % r], peers[(p - 1) % r]) if s < r - 1 else []
+                pending = _exchange(cur, nxt, peers[(p + 1) % r], peers[(p - 1) % r], group) if s < r - 1 else []
                 if plan.gathered is not None:
                     kpos.index_copy_(1, index[(p - s) % r], cur[:, split:])
                 if plan.steps[s] is not None:
@@ -100,13 +101,13 @@ class _RingAttention(torch.autograd.Function):
             acc.lse.masked_fill_(acc.lse == float("-inf"), float("inf"))
         acc.lse[acc.sink] = float("inf")
         ctx.save_for_backward(q, k, v, out, acc.lse, kpos)
-        ctx.args = (plan, peers, scale, pool, clock)
+        ctx.args = (plan, peers, scale, pool, clock, group)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse, kpos = ctx.saved_tensors
-        plan, peers, scale, pool, clock = ctx.args
+        plan, peers, scale, pool, clock, group = ctx.args
         kernel, r, p = plan.kernel, plan.layout.ring, plan.layout.pos
         t, heads, dim = q.shape
         tk, kv_heads = k.shape[0], k.shape[1]
@@ -123,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
                 dq[: t * heads].view(q.shape),
                 dk[: tk * kv_heads].view(k.shape),
                 dv[: tk * kv_heads].view(v.shape),
-                *(None,) * 5,
+                *(None,) * 6,
             )
 
         nxt_rank, prv_rank = peers[(p + 1) % r], peers[(p - 1) % r]
@@ -143,7 +144,7 @@ class _RingAttention(torch.autograd.Function):
         cur[1].copy_(v)
         pending_dkv: list = []
         for s in range(r):
-            pending_kv = _exchange(cur, nxt, nxt_rank, prv_rank) if s < r - 1 and travel_kv else []
+            pending_kv = _exchange(cur, nxt, nxt_rank, prv_rank, group) if s < r - 1 and travel_kv else []
             step = plan.steps[s]
             apply = None
             if step is not None:
@@ -166,14 +167,14 @@ class _RingAttention(torch.autograd.Function):
                     mine.copy_(part)
                 else:
                     mine.add_(part)
-            pending_dkv = _exchange(held, spare, nxt_rank, prv_rank)
+            pending_dkv = _exchange(held, spare, nxt_rank, prv_rank, group)
             _wait(pending_kv, clock)
             cur, nxt = nxt, cur
         _wait(pending_dkv, clock)
         grads = spare[:, : tk * kv_heads].view(2, *k.shape)
         dk = grads[0].to(k.dtype, copy=True)
         dv = grads[1].to(v.dtype, copy=True)
-        return dq[: t * heads].view(q.shape).to(q.dtype), dk, dv, *(None,) * 5
+        return dq[: t * heads].view(q.shape).to(q.dtype), dk, dv, *(None,) * 6
 
 
 def ring_attention(
@@ -186,6 +187,7 @@ def ring_attention(
     scale: float,
     pool: BufferPool,
     clock: CommClock | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``peers`` (global ranks in ring order) on a ring-level zigzag shard.
 
@@ -198,10 +200,11 @@ def ring_attention(
         scale: Softmax scale.
         pool: Communication buffers.
         clock: Accumulates the time spent waiting for transfers (default: a throw-away clock).
+        group: The process group the transfers run on (default: the default group).
 
     Returns:
         ``[t, H, D]`` attention output for the local queries.
     """
     return _RingAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), plan, peers, scale, pool, clock or CommClock()
+        q.contiguous(), k.contiguous(), v.contiguous(), plan, peers, scale, pool, clock or CommClock(), group
     )

@@ -73,6 +73,10 @@ class PoolRuntime(HydraRuntime):
         never the world's, which pipeline and ring transfers use (an asynchronous bucket sum launched in a rank's
         last backward must not hold up a transfer queued behind it on the same communicator)."""
         self._owned_groups: list[dist.ProcessGroup] = []
+        """The step's own communicators (gradient sums, ring and pipeline transfers), destroyed by :meth:`close`."""
+        self.pipe_group: dist.ProcessGroup | None = None
+        """The pipeline transfers' communicator (with stages; after :meth:`setup`): never the default group's, so
+        that no ring transfer queues behind a send waiting for the next stage."""
         self.replicas = replicas
         self.cache = GroupCache(backend=backend, clock=self.comm_clock)
         self.local_world_size = local_world_size
@@ -87,19 +91,39 @@ class PoolRuntime(HydraRuntime):
     # ------------------------------------------------------------------ lifecycle
     def setup(self) -> int:
         """Create (collectively, in one global order) and warm up the communicators of every aligned Ulysses block
-        every stage's pool can use, and each stage's pool group; a second call creates none. Returns how many CP
-        communicators were created."""
+        every stage's pool can use, and the step's own (:attr:`step_communicators`: each stage's pool for a replica
+        pool's gradient sum, the ring transfers', the pipeline transfers'); a second call creates none. Returns how
+        many CP communicators were created."""
         local = aligned_blocks(self.world_size, self.degree_rules().ulysses_options())
         made = self.cache.create(copy for block in local for copy in self.copies(block))
         if made:
             self.cache.warm_up(self.world_rank, self.device)
-        if self.stage_group is None and self.replicas:
-            for s in range(self.layout.stages):  # every rank creates every stage's group, in order
-                pg = dist.new_group(list(self.layout.stage_ranks(s)))
-                self._owned_groups.append(pg)
-                if s == self.stage:
-                    self.stage_group = pg
+        if not self._owned_groups:  # the step's own communicators, once: every rank creates each, in one order
+            world = list(range(self.layout.world_size))
+            if self.stage_group is None and self.replicas:
+                for s in range(self.layout.stages):
+                    pg = dist.new_group(list(self.layout.stage_ranks(s)))
+                    self._owned_groups.append(pg)
+                    if s == self.stage:
+                        self.stage_group = pg
+            if self.world_size > 1:
+                self.cache.ring_group = dist.new_group(world)
+                self._owned_groups.append(self.cache.ring_group)
+            if self.layout.stages > 1:
+                self.pipe_group = dist.new_group(world)
+                self._owned_groups.append(self.pipe_group)
+            for pg in self._owned_groups:  # NCCL makes a communicator on first use: not inside the first step
+                if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.all_reduce(torch.ones(1, dtype=torch.float32, device=self.device), group=pg)
         return made
+
+    @property
+    def step_communicators(self) -> dict[str, int]:
+        """The communicators of the step's own traffic this rank holds, by what they carry (the gradient sum, ring
+        transfers, pipeline transfers; the CP groups' are :attr:`cache`'s)."""
+        held = {"gradient sum": self.stage_group in self._owned_groups, "ring": self.cache.ring_group is not None}
+        held["pipeline"] = self.pipe_group is not None
+        return {name: int(bool(on)) for name, on in held.items()}
 
     def copies(self, positions: tuple[int, ...]) -> list[tuple[int, ...]]:
         """A plan's group of pool positions as global ranks in every stage (every stage plans the same batch), in one
@@ -127,6 +151,7 @@ class PoolRuntime(HydraRuntime):
         if self.stage_group in self._owned_groups:
             self.stage_group = None
         self._owned_groups.clear()
+        self.cache.ring_group = self.pipe_group = None
         return self.cache.destroy() + owned
 
     @property

@@ -86,6 +86,8 @@ class Recorded:
     """Their dtype."""
     transfers: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     """``p2p``: every ``(isend or irecv, peer, shape)`` of the batch."""
+    group: str = ""
+    """The process group's name (which communicator: two groups of the same ranks are two communicators)."""
 
 
 def _dtype(t: Any) -> str:
@@ -94,6 +96,10 @@ def _dtype(t: Any) -> str:
 
 def _ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _name(group: Any) -> str:
+    return str((group if group is not None else dist.group.WORLD).group_name)
 
 
 class _Functional(TorchDispatchMode):
@@ -111,7 +117,8 @@ class _Functional(TorchDispatchMode):
             ranks = _ranks(resolve(group)) if group is not None and resolve is not None else ()
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             short = name.split(".")[1]
-            call = Recorded(_SAME.get(short, short), ranks, first.numel() if first is not None else 0, _dtype(first))
+            numel = first.numel() if first is not None else 0
+            call = Recorded(_SAME.get(short, short), ranks, numel, _dtype(first), group=group or "")
             self.recorder.calls.append((self.recorder.index, call))
         return func(*args, **(kwargs or {}))
 
@@ -176,7 +183,8 @@ class CollectiveRecorder(StepObserver):
             ops = args[0] if args else kwargs["p2p_op_list"]
             transfers = tuple((op.op.__name__, int(op.peer), tuple(op.tensor.shape)) for op in ops)
             peers = tuple(sorted({self.rank, *(t[1] for t in transfers)}))
-            return Recorded("p2p", peers, transfers=transfers)
+            groups = {_name(op.group) for op in ops}
+            return Recorded("p2p", peers, transfers=transfers, group=",".join(sorted(groups)))
         if name in ("send", "recv"):
             tensor = args[0] if args else kwargs["tensor"]
             peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
@@ -193,7 +201,7 @@ class CollectiveRecorder(StepObserver):
         else:
             source = tensors[0] if tensors else None
         numel = source.numel() if source is not None else 0
-        return Recorded(_SAME.get(name, name), _ranks(group), numel, _dtype(source))
+        return Recorded(_SAME.get(name, name), _ranks(group), numel, _dtype(source), group=_name(group))
 
     # ------------------------------------------------------------------ observing
     def begin(self, program: Sequence[Op]) -> None:
@@ -229,19 +237,39 @@ class CollectiveRecorder(StepObserver):
             self.end()
 
     # ------------------------------------------------------------------ checking
+    def _by_operation(self) -> list[tuple[list[Op], list[list[Recorded]], list[Recorded]]]:
+        """Per list: its operations, the calls each issued (early bucket launches moved to the gradient sum), and
+        the calls made outside every operation."""
+        out = []
+        for program, calls in self.steps:
+            by_op: list[list[Recorded]] = [[] for _ in program]
+            stray = []
+            for index, call in calls:
+                if 0 <= index < len(program):
+                    by_op[index].append(call)
+                else:
+                    stray.append(call)
+            self._move_early_launches(program, by_op)
+            out.append((program, by_op, stray))
+        return out
+
     def problems(self) -> list[str]:
         """Where the recorded calls differ from the lists (empty: every step issued exactly its list)."""
         out: list[str] = []
-        for step, (program, calls) in enumerate(self.steps):
-            by_op: list[list[Recorded]] = [[] for _ in program]
-            for index, call in calls:
-                if not 0 <= index < len(program):
-                    out.append(f"step {step}: {call} outside every operation")
-                    continue
-                by_op[index].append(call)
-            self._move_early_launches(program, by_op)
+        for step, (program, by_op, stray) in enumerate(self._by_operation()):
+            out += [f"step {step}: {call} outside every operation" for call in stray]
             for index, (op, made) in enumerate(zip(program, by_op, strict=True)):
                 out += [f"step {step}, operation {index} ({op.describe()}): {p}" for p in _compare(op, made, self.rank)]
+        return out
+
+    def usage(self) -> dict[tuple[str, str], set[str]]:
+        """Which process groups (by name) each kind of operation issued each kind of call on: ``{(operation kind,
+        call): {group names}}`` over every list recorded (what runs on which communicator)."""
+        out: dict[tuple[str, str], set[str]] = {}
+        for program, by_op, _ in self._by_operation():
+            for op, made in zip(program, by_op, strict=True):
+                for call in made:
+                    out.setdefault((op.kind, call.name), set()).update(call.group.split(","))
         return out
 
     @staticmethod
@@ -328,12 +356,25 @@ class RecordCollectives(pl.Callback):
             "problems": self.recorder.problems(),
             "programs": [program for program, _ in self.recorder.steps],
             "calls": sum(len(calls) for _, calls in self.recorder.steps),
+            "usage": self.recorder.usage(),
+            "groups": _named_groups(module.runtime()),
         }
         Path(f"{self.out}.rank{trainer.global_rank}").write_bytes(pickle.dumps(row))
 
     def teardown(self, trainer: Any, module: Any, stage: str) -> None:
         if self.recorder is not None:
             self.recorder.uninstall()
+
+
+def _named_groups(runtime: Any) -> dict[str, str]:
+    """The names of the step's own process groups a runtime holds (the default group as ``world``)."""
+    named = {
+        "world": dist.group.WORLD,
+        "gradient sum": getattr(runtime, "stage_group", None),
+        "ring": getattr(getattr(runtime, "cache", None), "ring_group", None),
+        "pipeline": getattr(runtime, "pipe_group", None),
+    }
+    return {key: _name(pg) for key, pg in named.items() if pg is not None and dist.is_initialized()}
 
 
 def recorded_runs(out: str | Path, world: int) -> list[dict]:

@@ -9,7 +9,8 @@ sum, the measurement gather, the cost model's broadcast and the gradient norm. A
 and a failure inside an operation is raised again with the rank and the operation it was in, so a collective that
 times out says where.
 
-**Pipeline exchanges.** Each exchange is one ``batch_isend_irecv`` with the neighbour it names. Shapes come from the
+**Pipeline exchanges.** Each exchange is one ``batch_isend_irecv`` with the neighbour it names, on the pipeline's own
+communicator (the runtime's ``pipe_group``: no ring transfer or bucket sum queues behind a send). Shapes come from the
 list (every stage holds the same plan: no header travels, nothing is read back to the host) and the dtype from the
 model (:func:`~lightning_hydra.strategy.pipeline.wire_dtype`); a receive is waited for when its tensor is needed,
 every transfer once the microbatches are done.
@@ -40,8 +41,12 @@ class StepFailure(RuntimeError):
 class _Links:
     """Posts a stage's exchanges with its neighbours and hands out what arrived."""
 
-    def __init__(self, rank: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, rank: int, width: int, device: torch.device, dtype: torch.dtype, group: dist.ProcessGroup | None
+    ) -> None:
         self.rank = rank
+        self.group = group
+        """The pipeline's own communicator (global ranks address the peers)."""
         self.width = width
         self.device = device
         self.dtype = dtype
@@ -69,7 +74,7 @@ class _Links:
             else:
                 tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
                 waiting.append((t.kind, t.microbatch, tensor))
-            ops.append(dist.P2POp(dist.isend if sends else dist.irecv, tensor, op.peer))
+            ops.append(dist.P2POp(dist.isend if sends else dist.irecv, tensor, op.peer, group=self.group))
         works = dist.batch_isend_irecv(ops) if ops else []
         self.works.extend(works)
         for kind, m, tensor in waiting:
@@ -134,7 +139,7 @@ class StepRunner:
         self.pipelined = stages > 1
         device = runtime.device
         width = module.pipeline_width() if self.pipelined else 0
-        self.links = _Links(runtime.world_rank, width, device, wire_dtype(module))
+        self.links = _Links(runtime.world_rank, width, device, wire_dtype(module), getattr(runtime, "pipe_group", None))
         self.sync = runtime.gradient_sync(module) if train else None
         self.context = module._context()
         self.timer = OpTimer(device)

@@ -377,9 +377,10 @@ class HydraStrategy(ParallelStrategy):
         made = self.runtime.setup()
         cache = self.runtime.cache
         if made:
+            own = ", ".join(name for name, held in self.runtime.step_communicators.items() if held) or "none"
             rank_zero_info(
                 f"HydraStrategy: created {made} CP communicators ({len(cache.member_of(self.global_rank))} on rank "
-                f"{self.global_rank}) in {cache.setup_seconds:.2f} s"
+                f"{self.global_rank}) in {cache.setup_seconds:.2f} s, and the step's own ({own})"
             )
         if self.auto_capacity:
             self._resolve_capacity(len(cache.member_of(self.global_rank)))
