@@ -57,16 +57,18 @@ class GradientReducer:
         *,
         group: dist.ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        alone: bool | None = None,
     ) -> None:
         """Args:
         params: The parameters to reduce (those with ``requires_grad``), in registration order.
         group: The pool's process group (default: the world).
         bucket_bytes: Target bytes per bucket.
+        alone: A pool of one rank (no collective runs); default: ``group`` (or the world) has one member.
         """
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.group = group
-        self.alone = not dist.is_initialized() or dist.get_world_size(group) == 1
+        self.alone = (not dist.is_initialized() or dist.get_world_size(group) == 1) if alone is None else alone
         """A pool of one rank: the sum is the gradient itself, and no collective runs."""
         self.bucket_bytes = bucket_bytes
         self.params = [p for p in params if p.requires_grad]

@@ -100,7 +100,7 @@ class PoolRuntime(HydraRuntime):
             self.cache.warm_up(self.world_rank, self.device)
         if not self._owned_groups:  # the step's own communicators, once: every rank creates each, in one order
             world = list(range(self.layout.world_size))
-            if self.stage_group is None and self.replicas:
+            if self.stage_group is None and self.replicas and self.world_size > 1:  # a pool of one sums nothing
                 for s in range(self.layout.stages):
                     pg = dist.new_group(list(self.layout.stage_ranks(s)))
                     self._owned_groups.append(pg)
@@ -210,9 +210,10 @@ class PoolRuntime(HydraRuntime):
         if self._reducer is None or ids != self._reducer_params:
             if self._reducer is not None:
                 self._reducer.remove()
-            if self.stage_group is None:
+            alone = self.world_size == 1
+            if self.stage_group is None and not alone:
                 raise RuntimeError("PoolRuntime.setup has not run (or was made for sharded state): no gradient group")
-            self._reducer = GradientReducer(params, group=self.stage_group)
+            self._reducer = GradientReducer(params, group=self.stage_group, alone=alone)
             self._reducer_params = ids
         return self._reducer
 
