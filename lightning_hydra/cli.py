@@ -10,7 +10,8 @@ Training goes through Lightning's ``LightningCLI`` (``fit``, ``validate``); the 
     lightning-hydra simulate --config recipes/sim-512-32k.yaml --json
 
 An error is printed as one line naming the problem, once (from global rank 0 when every rank found it, from the
-rank that found it otherwise); ``--traceback`` prints the full traceback instead.
+rank that found it otherwise); ``--traceback`` prints every rank's full traceback instead, under a line naming the
+rank (:func:`lightning_hydra.cli_errors.report_error`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import logging
 import os
 import subprocess
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except argparse.ArgumentError as exc:  # a bad option or recipe value (LightningCLI's parser raises, not exits)
         if show_traceback:
-            traceback.print_exception(exc, file=sys.stderr)
+            report_error(exc, rank=rank, show_traceback=True)
         else:
             print(f"lightning-hydra: error: {argument_reason(str(exc))}", file=sys.stderr, flush=True)
         return 2

@@ -2,7 +2,8 @@
 
 An error every rank finds alike (a :class:`~lightning_hydra.errors.ConfigError`) is said by global rank 0; one that
 only some ranks see, by the rank that found it; a rank that only noticed another rank going away says nothing of its
-own (rank 0 says that another rank failed). A bad option or recipe value, which jsonargparse reports as a nested
+own (rank 0 says that another rank failed). ``--traceback`` prints every rank's full traceback instead, under a
+line naming the rank (:func:`report_error`). A bad option or recipe value, which jsonargparse reports as a nested
 union of every type it tried, becomes one line naming the option (:func:`argument_reason`).
 """
 
@@ -108,6 +109,12 @@ def _message(exc: BaseException) -> str:
 def report_error(exc: BaseException, *, rank: int, show_traceback: bool = False) -> None:
     """Print ``exc`` the way the command does: one line, once (see the module documentation).
 
+    With ``show_traceback`` (``--traceback``) every rank prints, instead of that line, one line naming its rank
+    (``lightning-hydra: traceback of the error on rank 2:``: the ranks of one run share a terminal, and their
+    tracebacks would otherwise read as one) and then Python's full traceback of ``exc``: ``Traceback (most recent
+    call last):``, the frames from where it was caught down to where it was raised, the chained causes, and the
+    exception's type and message last.
+
     Args:
         exc: The error.
         rank: This process's global rank.
@@ -116,6 +123,7 @@ def report_error(exc: BaseException, *, rank: int, show_traceback: bool = False)
     from lightning_hydra.errors import ConfigError, RankDiedError
 
     if show_traceback:
+        print(f"lightning-hydra: traceback of the error on rank {rank}:", file=sys.stderr, flush=True)
         traceback.print_exception(exc, file=sys.stderr)
         return
     if isinstance(exc, RankDiedError):  # the launching process names the rank that died (nobody else can)

@@ -301,8 +301,47 @@ def test_errors_are_said_once(capsys):
         "lightning-hydra: error on rank 2: train item 3 holds token id 300 ...",
         "lightning-hydra: stopped: another rank failed (its error is printed by that rank; --traceback for details)",
     ]
-    report_error(one_rank, rank=0, show_traceback=True)
-    assert "Traceback" in capsys.readouterr().err or True  # an exception never raised has no frames to print
+
+
+def _raise_on_rank_two() -> None:
+    raise ValueError("train item 3 holds token id 300 ...")
+
+
+def test_traceback_prints_the_rank_and_the_frames_down_to_the_raise(capsys):
+    """``--traceback``: on every rank (the secondary ones too), a line naming the rank, then Python's traceback:
+    the frames from where the command caught the error down to where it was raised, the message last."""
+    from lightning_hydra.cli_errors import report_error
+
+    try:
+        _raise_on_rank_two()
+    except ValueError as exc:
+        report_error(exc, rank=2, show_traceback=True)
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["lightning-hydra: traceback of the error on rank 2:", "Traceback (most recent call last):"]
+    frames = [line.strip() for line in err if line.lstrip().startswith("File ")]
+    assert len(frames) == 2 and __file__ in frames[0] and frames[1].endswith(", in _raise_on_rank_two"), err
+    assert err[-1] == "ValueError: train item 3 holds token id 300 ...", err
+    gone = RuntimeError("Connection closed by peer")  # said by nobody but rank 0 without --traceback
+    report_error(gone, rank=3, show_traceback=True)
+    assert capsys.readouterr().err.splitlines() == [
+        "lightning-hydra: traceback of the error on rank 3:",
+        "RuntimeError: Connection closed by peer",  # never raised: no frames
+    ]
+    # the command: a ConfigError from deep inside `plan`, and a bad option LightningCLI's parser raised
+    assert main(["--traceback", "plan", "--world-size", "12"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-hydra: traceback of the error on rank 0:\nTraceback (most recent call last):\n")
+    assert err.count('  File "') > 2 and "lightning_hydra/cli.py" in err, err
+    assert err.rstrip().endswith(
+        "world size 12 is not a multiple of ranks_per_node=8: set "
+        "HydraStrategy(ranks_per_node=...) to the ranks (GPUs) of one node, and run whole nodes"
+    )
+    assert main(["plan", "--world-size", "12"]) == 1 and "Traceback" not in capsys.readouterr().err
+    bad = ["fit", "--config", str(recipe_path("cpu-demo")), "--model.init_args.lr=abc", "--print_config"]
+    assert main(["--traceback", *bad]) == 2  # argparse's code, as without --traceback
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-hydra: traceback of the error on rank 0:\nTraceback (most recent call last):\n")
+    assert err.count('  File "') > 2 and "ArgumentError" in err and "lr" in err, err
 
 
 @pytest.mark.timeout(300)

@@ -18,11 +18,17 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
-import lightning_hydra.schedule.build as build
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.data.datamodule import resolve
-from lightning_hydra.metrics.bubbles import one_f_one_b_order
-from lightning_hydra.schedule import ScheduleError, StepLayout, StepOptions, Work, check_programs, step_programs
+from lightning_hydra.schedule import (
+    ScheduleError,
+    StepLayout,
+    StepOptions,
+    Work,
+    check_programs,
+    per_position_order,
+    step_programs,
+)
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.recorder import RecordCollectives, recorded_runs
 from lightning_hydra.strategy.watchdog import Watchdog
@@ -43,7 +49,8 @@ def make_dataset(seed: int, count: int) -> list[torch.Tensor]:
 
 
 class Rows(pl.Callback):
-    """Every rank writes its share of every plan and the losses."""
+    """Every rank writes its share of every plan, the losses and the parameters it holds at the end (a pipeline
+    stage its own layers; zero2 gathered)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -57,7 +64,10 @@ class Rows(pl.Callback):
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
 
     def on_train_end(self, trainer, module) -> None:
-        row = {"rows": self.rows, "losses": self.losses}
+        from torch.distributed.tensor import DTensor
+
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()) for n, p in module.named_parameters()}
+        row = {"rows": self.rows, "losses": self.losses, "params": params}
         Path(f"{self.out}.rows{trainer.global_rank}").write_bytes(pickle.dumps(row))
 
 
@@ -74,11 +84,13 @@ def _fit(tmp: Path, model: DecoderLM, devices: int, data: list, strategy=None, *
     return ranks
 
 
-def _legacy_order(stage: int, stages: int, runs, microbatches: int, *, train: bool) -> list[tuple[str, int]]:
-    """Each position's own 1F1B over only the microbatches it runs: the order before the step was data."""
-    runs = list(runs)
-    order = one_f_one_b_order(stage, stages, len(runs)) if train else [("F", i) for i in range(len(runs))]
-    return [(kind, runs[i]) for kind, i in order]
+def _assert_params(ranks: list[dict], reference: DecoderLM, stages: int) -> None:
+    """Every rank holds the reference's parameters (each of a pipeline stage's layers on every rank of its pool)."""
+    for name, p in reference.named_parameters():
+        holders = [row for row in ranks if name in row["params"]]
+        assert len(holders) == len(ranks) // stages, name
+        for row in holders:
+            torch.testing.assert_close(row["params"][name], p.detach(), rtol=1e-6, atol=1e-6, msg=name)
 
 
 def _work(ranks: list[dict], positions: list[int], step: int) -> list[list[Work]]:
@@ -86,7 +98,7 @@ def _work(ranks: list[dict], positions: list[int], step: int) -> list[list[Work]
 
 
 @pytest.mark.timeout(300)
-def test_two_stages_by_a_pool_of_four_under_hydra_train_like_one_process(tmp_path: Path, monkeypatch) -> None:
+def test_two_stages_by_a_pool_of_four_under_hydra_train_like_one_process(tmp_path: Path) -> None:
     # the data's first batches include one whose plan puts two pool positions of one CP group out of order under a
     # per-position 1F1B (checked below): the run that hung before
     data = make_dataset(38, 24)
@@ -107,14 +119,15 @@ def test_two_stages_by_a_pool_of_four_under_hydra_train_like_one_process(tmp_pat
     ranks = _fit(tmp_path / "pp", model, 8, data, strategy, seed=2)
     for row in ranks:
         assert row["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    _assert_params(ranks, reference, stages=2)
     for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
     layout = StepLayout(stages=2, pool=4)
     broken = 0
-    monkeypatch.setattr(build, "stage_order", _legacy_order)
     for step in range(3):
         try:
-            check_programs(step_programs(layout, _work(ranks, [0, 1, 2, 3], step), StepOptions()))
+            work = _work(ranks, [0, 1, 2, 3], step)
+            check_programs(step_programs(layout, work, StepOptions(), order=per_position_order))
         except ScheduleError:
             broken += 1
     assert broken > 0  # these batches break the old order
@@ -155,7 +168,9 @@ def test_zero2_with_ranks_idle_in_the_first_microbatch_trains_like_one_process(t
         timeout=timedelta(seconds=120),
     )
     ranks = _fit(tmp_path / "z2", model, 4, data, strategy, seed=5)
-    assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    for row in ranks:
+        assert row["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    _assert_params(ranks, reference, stages=1)
     for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
     # a rank sat microbatch 0 out and ran a later one in a group of several: it gathered at the step's start
@@ -164,8 +179,8 @@ def test_zero2_with_ranks_idle_in_the_first_microbatch_trains_like_one_process(t
         work = _work(ranks, [0, 1, 2, 3], step)
         for row in work:
             patterns += row[0].tokens == 0 and any(w.tokens and len(w.group) > 1 for w in row[1:])
-        first_ops = [op.kind for op in ranks[0]["programs"][step][:3]]
-        assert first_ops == ["check", "gather", "gather"]
+        for row in ranks:  # every rank, the idle ones too, gathers its two layers first
+            assert [op.kind for op in row["programs"][step][:3]] == ["check", "gather", "gather"]
     assert patterns > 0
 
 

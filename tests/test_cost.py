@@ -106,7 +106,12 @@ def test_bin_time_pays_ulysses_latency_once(cost: CostModel) -> None:
 def test_round_trip_and_replace(cost: CostModel) -> None:
     again = CostModel.from_dict(cost.to_dict())
     assert again == cost
-    assert cost.replace(attn=cost.attn * 3).attn == pytest.approx(cost.attn * 3)
+    tripled = cost.replace(attn=cost.attn * 3)
+    assert cost.to_dict() == again.to_dict()  # the original is unchanged
+    assert {k: v for k, v in tripled.to_dict().items() if v != again.to_dict()[k]} == {"attn": cost.attn * 3}
+    # the copy computes with the new coefficient: one rank's attention (L**2 at degree 1) costs three times as much
+    length = 4096.0
+    assert tripled.sequence(length) - cost.sequence(length) == pytest.approx(2 * cost.attn * length**2)
 
 
 def test_bad_shape_is_rejected() -> None:

@@ -540,14 +540,24 @@ def test_digests_equal_across_processes() -> None:
         ({"max_ulysses": -1}, ValueError, "max_ulysses must be at least 1"),
     ],
 )
-@pytest.mark.parametrize("policy", POLICIES)
-def test_bad_input_gets_a_clear_error(kwargs: dict, error: type, match: str, policy: str, cost: CostModel) -> None:
+def test_bad_input_gets_a_clear_error(
+    kwargs: dict, error: type, match: str, cost: CostModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``schedule`` refuses each malformed argument with its own checks, before any policy runs (every policy is
+    replaced by one that fails the test): one case per argument serves all three policies."""
+    from lightning_hydra.planner import policies
+
+    def never(req: PlanRequest) -> None:
+        raise AssertionError("a policy ran on input schedule() should have refused")
+
+    for name in POLICIES:
+        monkeypatch.setitem(policies.POLICIES, name, never)
     args = {
         "lengths": [100, 2000],
         "world_size": 16,
         "num_microbatches": 2,
         "max_tokens_per_rank": 4096,
-        "policy": policy,
+        "policy": "hydra",
         "num_heads": 32,
         "num_kv_heads": 8,
     }
@@ -555,6 +565,19 @@ def test_bad_input_gets_a_clear_error(kwargs: dict, error: type, match: str, pol
     lengths = args.pop("lengths")
     with pytest.raises(error, match=match):
         schedule(lengths, cost=cost, **args)
+
+
+def test_static_refuses_an_allowed_length_no_degree_holds(cost: CostModel) -> None:
+    """Where the policies' checks differ: ``static`` sizes its one degree for ``max_seq_len``, so a run that allows
+    longer sequences than the pool holds is refused by it, and by ``hydra``, which forms static's plan as one of its
+    candidates; ``mcore`` sizes each sequence's degree by its own length and plans the batch."""
+    args = {"world_size": 16, "num_microbatches": 2, "max_tokens_per_rank": 4096, "num_heads": 32, "num_kv_heads": 8}
+    too_long = 16 * 4096 + 1
+    for policy in ("static", "hydra"):
+        with pytest.raises(PlanError, match=rf"the longest allowed sequence \({too_long} tokens\) fits no degree"):
+            schedule([100, 2000], cost=cost, policy=policy, max_seq_len=too_long, **args)
+    plan = schedule([100, 2000], cost=cost, policy="mcore", max_seq_len=too_long, **args)
+    assert sorted(i for mb in plan.microbatches for g in mb for i in g.seq_ids) == [0, 1]
 
 
 @pytest.mark.parametrize(("world", "context", "capacity"), [(256, 262144, 16384), (256, 32768, 4096)])

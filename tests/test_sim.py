@@ -12,6 +12,7 @@ from lightning_hydra.cli import RECIPES
 from lightning_hydra.cli import main as cli_main
 from lightning_hydra.planner import CostModel, Group, Plan
 from lightning_hydra.sim import Hardware, Job, ModelShape, Scenario, bin_time, load_scenario, plan_times, step_result
+from lightning_hydra.sim.simulate import scenario_batches
 from lightning_hydra.sim.truth import TP_COLLECTIVES, plan_tp_times, tp_collective_bytes, tp_collective_time
 
 MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=100)
@@ -160,10 +161,21 @@ def test_scenario_recipe_runs_at_reduced_size(recipe, capsys):
     assert cli_main(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["policies"]) == set(scenario.policies)
+    # the recipe's own batches: every policy trains their tokens, so throughput x step time is the tokens of a
+    # summarised step (the calibrating run summarises the steps after its first; the median of 2 steps is their mean)
+    batches = scenario_batches(load_scenario(recipe, steps=2, **({} if "cpu" in recipe.stem else {"job.gpus": gpus})))
+    summarised = batches[1:] if scenario.calibrate else batches
+    tokens = np.mean([int(np.sum(b)) for b in summarised])
     for summary in result["policies"].values():
         for key in ("tokens_per_s", "bubble_dp", "bubble_pp", "schedule_ms"):
             assert np.isfinite(summary[key]), key
         assert summary["tokens_per_s"] > 0 and 0 <= summary["bubble_dp"] < 1 and 0 <= summary["bubble_pp"] < 1
+        assert summary["tokens_per_s"] * summary["step_s"] == pytest.approx(tokens, rel=1e-9)
+        assert summary["tokens_per_s_serial_schedule"] < summary["tokens_per_s"]  # planning on the critical path
+    for other in ("mcore", "static"):
+        if {"hydra", other} <= set(result["policies"]):
+            speed = {p: result["policies"][p]["tokens_per_s"] for p in ("hydra", other)}
+            assert result[f"hydra_over_{other}"] == pytest.approx(speed["hydra"] / speed[other], rel=1e-9)
 
 
 def test_validation_against_recorded_runs_reads_the_records(tmp_path):
@@ -253,7 +265,11 @@ def test_truth_times_tensor_parallel_collectives():
     one_pair = 2 * tp_collective_bytes(1000.0, model=MODEL, tp=4, sequence_parallel=True)[1]
     one_all_reduce = tp_collective_bytes(1000.0, model=MODEL, tp=4, sequence_parallel=False)[1]
     assert one_pair == pytest.approx(one_all_reduce)  # reduce-scatter + all-gather = one all-reduce's traffic
-    assert pytest.approx(4 / 7) == (8 * 1) / (7 * 2)  # SP sends 4 all-reduces' worth per block, not 7
+    # SP sends 4 all-reduces' worth per block, not 7: its 8 calls of half the bytes take 4/7 of the time on a link
+    # without latency
+    free = {**args, "hardware": hw.replace(tp_latency=0.0)}
+    sp_time, plain_time = (tp_collective_time(1000.0, **free, tp=4, sequence_parallel=sp) for sp in (True, False))
+    assert sp_time / plain_time == pytest.approx(4 / 7)
     # small collectives run below the link's rate; larger groups send more of each tensor
     slow = tp_collective_time(1000.0, **{**args, "hardware": hw.replace(tp_half_bytes=1e6)}, tp=4)
     assert slow > tp_collective_time(1000.0, **args, tp=4)

@@ -62,7 +62,8 @@ MARK = "LIGHTNING_HYDRA_TEST_MARK"
 
 
 class Recorder(pl.Callback):
-    """Each rank writes, per step: the loss, the groups it ran, and the (document, position) of every real token."""
+    """Each rank writes, per step: the loss, the groups it ran, and the (document, position) of every real token;
+    at the end its reads, marks and full (gathered) parameters."""
 
     def __init__(self, out: str) -> None:
         self.out = out
@@ -104,9 +105,15 @@ class Recorder(pl.Callback):
         self.rows[-1]["loss"] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
 
     def on_train_end(self, trainer, module) -> None:
+        from torch.distributed.tensor import DTensor
+
         reads = dict(trainer.datamodule.train_dataset.reads)
         marks = {"mark": os.environ.get(MARK), "unpickled_mark": self.unpickled_mark}
         self.rows.append({"reads": {str(k): v for k, v in reads.items()}, **marks, "seed": self.seed})
+        self.rows[-1]["params"] = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).tolist()  # collective for DTensors
+            for n, p in module.named_parameters()
+        }
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
@@ -157,11 +164,15 @@ def _reads(rank_rows: list[dict]) -> tuple[list[dict], Counter]:
 
 
 def _assert_same_training(ref_rows, ref_model, runs, model) -> None:
+    params = [rank[-1]["params"] for rank in runs]
     runs = [_reads(rank)[0] for rank in runs]
-    assert len(ref_rows) == len(runs[0]) >= 3
-    for r in range(4):
+    for r in range(4):  # every rank: its losses and the parameters it ends with
+        assert len(ref_rows) == len(runs[r]) >= 3
         for a, b in zip(ref_rows, runs[r], strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), (r, a["step"])
+        for name, p in ref_model.named_parameters():
+            got = torch.tensor(params[r][name])
+            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-5, msg=f"rank {r}: {name}")
     assert len({row["digest"] for rank in runs for row in rank if row["step"] == 0}) == 1
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
@@ -226,20 +237,21 @@ def _resume_run(
             ModelCheckpoint(dirpath=str(tmp / "ckpt"), every_n_train_steps=save_at, save_top_k=-1, filename="stop")
         )
     trainer.fit(model, dm, ckpt_path=ckpt)
-    return json.loads((run_dir / "rank0.json").read_text())
+    return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_resume_continues_with_the_same_batches(tmp_path: Path) -> None:
-    full = _resume_run(tmp_path, "full", max_steps=8)
+    fulls = _resume_run(tmp_path, "full", max_steps=8)
     ckpt = str(tmp_path / "ckpt" / "stop.ckpt")
-    first = _resume_run(tmp_path, "first", max_steps=3, save_at=3)
-    rest = _resume_run(tmp_path, "rest", max_steps=8, ckpt=ckpt)
-    full, first, rest = full[:-1], first[:-1], rest[:-1]
-    assert [r["digest"] for r in first + rest] == [r["digest"] for r in full]
-    assert [(r["epoch"], r["step"]) for r in first + rest] == [(r["epoch"], r["step"]) for r in full]
-    for a, b in zip(first + rest, full, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-    assert len({r["epoch"] for r in full}) > 1  # the run crosses an epoch boundary
+    firsts = _resume_run(tmp_path, "first", max_steps=3, save_at=3)
+    rests = _resume_run(tmp_path, "rest", max_steps=8, ckpt=ckpt)
+    for full, first, rest in zip(fulls, firsts, rests, strict=True):  # every rank
+        full, first, rest = full[:-1], first[:-1], rest[:-1]
+        assert [r["digest"] for r in first + rest] == [r["digest"] for r in full]
+        assert [(r["epoch"], r["step"]) for r in first + rest] == [(r["epoch"], r["step"]) for r in full]
+        for a, b in zip(first + rest, full, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert len({r["epoch"] for r in full}) > 1  # the run crosses an epoch boundary
 
 
 def test_cost_model_before_setup_has_the_node_size_the_pool_will_give_it() -> None:
