@@ -100,29 +100,40 @@ def simulate(programs: Mapping[int, Sequence[Op]]) -> int:
         ScheduleError: The deadlock, naming every waiting rank, its operation and who it waits for.
     """
     head = dict.fromkeys(programs, 0)
+    signatures: dict[tuple[int, Comm], tuple] = {}  # (id of op, comm) -> signature: ops repeat across rounds
+
+    def signature(op: Op, comm: Comm) -> tuple:
+        key = (id(op), comm)
+        if key not in signatures:
+            signatures[key] = op.signature(comm)
+        return signatures[key]
+
     rounds = 0
     while True:
         live = {r for r, i in head.items() if i < len(programs[r])}
         if not live:
             return rounds
-        ready = set(live)
+        at = {r: programs[r][head[r]] for r in live}
+        # a communicator can complete an operation when every member is at one of the same signature there
+        touched = {c for op in at.values() for c in op.comms}
+        agreed = {
+            c
+            for c in touched
+            if all(p in at and c in at[p].comms for p in c.ranks)
+            and len({signature(at[p], c) for p in c.ranks}) == 1
+        }
+        ready = {r for r in live if all(c in agreed for c in at[r].comms)}
         changed = True
-        while changed:
+        while changed:  # and every member of each of its communicators can complete its own operation too
             changed = False
-            for r in sorted(ready):
-                op = programs[r][head[r]]
-                for comm in op.comms:
-                    want = op.signature(comm)
-                    if any(
-                        p not in ready
-                        or comm not in programs[p][head[p]].comms
-                        or programs[p][head[p]].signature(comm) != want
-                        for p in comm.ranks
-                        if p != r
-                    ):
-                        ready.discard(r)
-                        changed = True
-                        break
+            for c in list(agreed):
+                if any(p not in ready for p in c.ranks):
+                    agreed.discard(c)
+                    blocked = {p for p in c.ranks if p in ready}
+                    ready -= blocked
+                    changed = True
+            if changed:
+                ready = {r for r in ready if all(c in agreed for c in at[r].comms)}
         if not ready:
             lines = []
             for r in sorted(live)[:8]:
