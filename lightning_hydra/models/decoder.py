@@ -177,7 +177,7 @@ class DecoderLM(HydraModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         optimizer: str = "adamw",
-        flops_per_second: float = 20e9,
+        flops_per_second: float | None = None,
     ) -> None:
         """Build the decoder.
 
@@ -196,7 +196,8 @@ class DecoderLM(HydraModule):
             warmup_steps: Linear warm-up steps.
             max_grad_norm: Gradient clipping (``None``: off).
             optimizer: ``"adamw"`` or ``"sgd"``.
-            flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
+            flops_per_second: Achieved FLOP rate assumed by the default cost model (``None``: the device's, see
+                :func:`~lightning_hydra.models.module.device_rates`).
         """
         super().__init__(
             lr=lr,

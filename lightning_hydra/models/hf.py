@@ -215,7 +215,7 @@ class HFCausalLM(HydraModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         optimizer: str = "adamw",
-        flops_per_second: float = 20e9,
+        flops_per_second: float | None = None,
     ) -> None:
         """Wrap a Hugging Face causal language model.
 
@@ -227,7 +227,8 @@ class HFCausalLM(HydraModule):
             warmup_steps: Linear warm-up steps.
             max_grad_norm: Gradient clipping (``None``: off).
             optimizer: ``"adamw"`` or ``"sgd"``.
-            flops_per_second: Achieved FLOP rate assumed by the default cost model.
+            flops_per_second: Achieved FLOP rate assumed by the default cost model (``None``: the device's, see
+                :func:`~lightning_hydra.models.module.device_rates`).
         """
         super().__init__(
             lr=lr,

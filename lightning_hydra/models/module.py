@@ -8,6 +8,8 @@ optimizer: the gradients equal those of one process training on the whole batch.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -28,15 +30,43 @@ from lightning_hydra.models.checkpointing import (
     remove_selective_checkpointing,
 )
 from lightning_hydra.planner import CostModel, Group
+from lightning_hydra.planner.devices import CPU_RATES, GPU_RATES, DeviceRates, bytes_per_element, gpu_rates
 from lightning_hydra.schedule import ZERO_TOKEN_TOKENS
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
 
-__all__ = ["CPU_LINKS", "HydraModule"]
+__all__ = ["CPU_LINKS", "HydraModule", "device_rates"]
 
-CPU_LINKS = {"bytes_per_element": 4, "intra_node_bandwidth": 2e9, "inter_node_bandwidth": 2e9}
-"""Communication constants of the default cost model: float32 over gloo on one machine (assumed, not measured)."""
+log = logging.getLogger(__name__)
+
+CPU_LINKS = {
+    "bytes_per_element": 4,
+    "intra_node_bandwidth": CPU_RATES.intra_node_bandwidth,
+    "inter_node_bandwidth": CPU_RATES.inter_node_bandwidth,
+}
+"""Communication constants of the default cost model on a CPU rank: float32 over gloo on one machine (assumed, not
+measured)."""
+
+
+def device_rates(device: torch.device, device_name: Callable[[torch.device], str] | None = None) -> DeviceRates:
+    """The rates the default cost model assumes on ``device``: a known GPU's (:data:`~lightning_hydra.planner.devices.
+    GPU_RATES`, by its CUDA name), an H100's for an unknown GPU (said once in the log), one CPU core's elsewhere.
+
+    Args:
+        device: The device the model trains on.
+        device_name: The CUDA device's name (default: ``torch.cuda.get_device_name``; tests pass their own).
+    """
+    if device.type != "cuda":
+        return CPU_RATES
+    name = (device_name or torch.cuda.get_device_name)(device)
+    rates = gpu_rates(name)
+    if rates is None:
+        log.warning(
+            "no rates known for the GPU %r: the default cost model assumes an H100's (calibration refits it)", name
+        )
+        rates = GPU_RATES["h100"]
+    return rates
 
 
 class HydraModule(pl.LightningModule):
@@ -62,7 +92,7 @@ class HydraModule(pl.LightningModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = None,
         optimizer: str = "adamw",
-        flops_per_second: float = 20e9,
+        flops_per_second: float | None = None,
     ) -> None:
         """Configure the optimizer and the default cost model.
 
@@ -73,7 +103,9 @@ class HydraModule(pl.LightningModule):
             warmup_steps: Linear learning-rate warm-up, in optimizer steps.
             max_grad_norm: Clip the global gradient norm to this value (``None``: no clipping).
             optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD: parameter updates are linear in the gradients).
-            flops_per_second: Achieved FLOP rate assumed by the default cost model (20 GFLOP/s: one CPU core).
+            flops_per_second: Achieved FLOP rate assumed by the default cost model; ``None``: the device's
+                (:func:`device_rates`: a known GPU's datasheet peak times an assumed achieved share, one CPU core's
+                20 GFLOP/s on a CPU), with the links and, on a GPU, the precision's bytes per element.
         """
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
@@ -89,7 +121,7 @@ class HydraModule(pl.LightningModule):
                 raise ValueError(f"betas[{i}]={beta!r} is out of range: must be in [0, 1)")
         warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
         max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, none=True)  # 0 and None: no clipping
-        flops_per_second = check_number("flops_per_second", flops_per_second, low=0.0, low_open=True)
+        flops_per_second = check_number("flops_per_second", flops_per_second, low=0.0, low_open=True, none=True)
         super().__init__()
         self.automatic_optimization = False
         self.lr = lr
@@ -123,13 +155,24 @@ class HydraModule(pl.LightningModule):
     def cost_model(self, tensor_parallel: int = 1, sequence_parallel: bool = True) -> CostModel:
         """The analytic cost model of this model's shape (the planner's default; calibration refines it), for one
         rank of a TP group of ``tensor_parallel`` (whose collectives ``sequence_parallel`` counts, see
-        :meth:`CostModel.for_transformer`)."""
+        :meth:`CostModel.for_transformer`), at the rates of the device the model is on (:func:`device_rates`;
+        :attr:`flops_per_second` where given) and, on a GPU, the bytes per element of the trainer's precision."""
+        rates = device_rates(self.device)
+        if rates is CPU_RATES:
+            links = CPU_LINKS
+        else:
+            precision = getattr(getattr(self, "_trainer", None), "precision", None)
+            links = {
+                "bytes_per_element": bytes_per_element(precision),
+                "intra_node_bandwidth": rates.intra_node_bandwidth,
+                "inter_node_bandwidth": rates.inter_node_bandwidth,
+            }
         return CostModel.for_transformer(
             **self.model_shape(),
-            flops_per_second=self.flops_per_second,
+            flops_per_second=self.flops_per_second or rates.flops_per_second,
             tensor_parallel=tensor_parallel,
             sequence_parallel=sequence_parallel,
-            **CPU_LINKS,
+            **links,
         )
 
     def transformer_blocks(self) -> list[nn.Module]:

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_hydra.planner.devices import GPU_RATES
+
 __all__ = ["PRESETS", "Hardware", "ModelShape"]
 
 
@@ -119,15 +121,18 @@ class ModelShape:
         }
 
 
+_RATES = GPU_RATES["h100"]
+"""The H100's datasheet figures, shared with the default cost model (:mod:`lightning_hydra.planner.devices`)."""
+
 _H100 = Hardware(
     name="h100-sxm",
-    peak_flops=989e12,
+    peak_flops=_RATES.peak_flops,
     gemm_efficiency=0.75,
     gemm_half_tokens=512,
     attn_efficiency=0.45,
     attn_half_len=1024,
-    intra_node_bandwidth=360e9,
-    inter_node_bandwidth=40e9,
+    intra_node_bandwidth=_RATES.intra_node_bandwidth,
+    inter_node_bandwidth=_RATES.inter_node_bandwidth,
     gpus_per_node=8,
     a2a_latency=15e-6,
     p2p_latency=10e-6,
@@ -136,12 +141,9 @@ _H100 = Hardware(
     layer_overhead=100e-6,
     seq_overhead=5e-6,
     ring_step_overhead=20e-6,
-    memory_bytes=80e9,
+    memory_bytes=_RATES.memory_bytes,
     sources={
-        "peak_flops": "datasheet: H100 SXM dense BF16 989 TFLOP/s",
-        "memory_bytes": "datasheet: 80 GB HBM3",
-        "intra_node_bandwidth": "datasheet 450 GB/s per direction (NVLink 4, 900 GB/s bidirectional); 80% assumed",
-        "inter_node_bandwidth": "datasheet 400 Gb/s NDR InfiniBand per GPU = 50 GB/s; 80% assumed",
+        **{k: v for k, v in _RATES.sources.items() if k != "achieved_share"},
         "gemm_efficiency": "assumed (large BF16 GEMMs typically reach 70-80% of peak)",
         "gemm_half_tokens": "assumed",
         "attn_efficiency": "assumed (flash-attn 2 forward+backward on H100: roughly 40-50% of peak)",
@@ -161,8 +163,8 @@ PRESETS: dict[str, Hardware] = {
     "h100": _H100,
     "h200": _H100.replace(
         name="h200",
-        memory_bytes=141e9,
-        sources={**_H100.sources, "memory_bytes": "datasheet: 141 GB HBM3e (same compute as H100 SXM)"},
+        memory_bytes=GPU_RATES["h200"].memory_bytes,
+        sources={**_H100.sources, "memory_bytes": GPU_RATES["h200"].sources["memory_bytes"]},
     ),
 }
 """Named hardware descriptions (GPU constants are datasheet figures or assumptions: no GPU was measured)."""

@@ -23,7 +23,8 @@ def check_arguments(*, cost: Any, calibrate: Any, calibration: Any, monitor: Any
 
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a lightning_hydra.CostModel or None, got {type(cost).__name__}")
-    check_bool("calibrate", calibrate)
+    if calibrate is not None:
+        check_bool("calibrate", calibrate)
     if calibration is not None and not isinstance(calibration, CostCalibrator):
         raise TypeError(f"calibration must be a CostCalibrator or None, got {type(calibration).__name__}")
     if not isinstance(monitor, (bool, BubbleMonitor)):

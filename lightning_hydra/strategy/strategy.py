@@ -96,7 +96,7 @@ class HydraStrategy(ParallelStrategy):
         max_ring: int | None = None,
         cost: CostModel | None = None,
         kernel: str = "auto",
-        calibrate: bool = False,
+        calibrate: bool | None = None,
         calibration: CostCalibrator | None = None,
         monitor: Any = True,
         sharding: str = "none",
@@ -130,7 +130,8 @@ class HydraStrategy(ParallelStrategy):
             kernel: Attention kernel (one of :data:`lightning_hydra.cp.kernels.KERNEL_NAMES`; ``"auto"`` picks by
                 device and what is installed).
             calibrate: Refit the cost model every step from the measured busy times of all ranks (closed loop); the
-                next plans use it, and checkpoints carry it.
+                next plans use it, and checkpoints carry it. ``None``: on for CUDA devices (the analytic model's
+                device rates are datasheet figures and assumptions), off on CPU.
             calibration: Settings of the refit (window, ridge, guards); default ``CostCalibrator()``.
             monitor: ``True`` adds a :class:`~lightning_hydra.BubbleMonitor` unless the trainer has one, a
                 ``BubbleMonitor`` instance is added as given, ``False`` adds none (measurements are still gathered).
@@ -228,7 +229,7 @@ class HydraStrategy(ParallelStrategy):
             pipeline_stages=self.pipeline_stages,
         )
         self.cp = CPContext(kernel)
-        self.calibrate = calibrate
+        self._calibrate_asked = calibrate
         self.calibrator = calibration if calibration is not None else CostCalibrator()
         self.monitor = monitor
         self.runtime: PoolRuntime | None = None
@@ -243,6 +244,13 @@ class HydraStrategy(ParallelStrategy):
         self._restored_cost: CostModel | None = None
 
     # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def calibrate(self) -> bool:
+        """Whether the cost model is refitted every step: as asked, or (``calibrate=None``) on CUDA devices."""
+        if self._calibrate_asked is not None:
+            return self._calibrate_asked
+        return self.parallel_devices is not None and self.root_device.type == "cuda"
+
     @property
     def is_distributed(self) -> bool:
         """Always a multi-process strategy (Lightning reads this to enable ``sync_dist`` logging)."""
