@@ -382,6 +382,7 @@ class HydraStrategy(ParallelStrategy):
             self._restored_cost = None
         assert self.lightning_module is not None
         self.runtime.bind(self.lightning_module)
+        self._say_cost_defaults(self.lightning_module)
         made = self.runtime.setup()
         cache = self.runtime.cache
         if made:
@@ -392,6 +393,22 @@ class HydraStrategy(ParallelStrategy):
             )
         if self.auto_capacity:
             self._resolve_capacity(len(cache.member_of(self.global_rank)))
+
+    def _say_cost_defaults(self, module: pl.LightningModule) -> None:
+        """Say, once, which of the cost model's values come from the device (``flops_per_second=None``, no
+        ``cost``) and whether calibration refits them."""
+        if self.planner_config.cost is not None or not hasattr(module, "flops_per_second"):
+            return
+        from lightning_hydra.models.module import device_rates
+
+        rates = device_rates(self.root_device)
+        rate = module.flops_per_second or rates.flops_per_second
+        origin = "given" if module.flops_per_second else f"{rates.name}'s, derived"
+        links = f"{rates.intra_node_bandwidth / 1e9:g} / {rates.inter_node_bandwidth / 1e9:g} GB/s"
+        rank_zero_info(
+            f"HydraStrategy: cost model at {rate / 1e12:.3g} TFLOP/s ({origin}), links {links} inside / across nodes "
+            f"({rates.name}'s); calibration " + ("on" if self.calibrate else "off")
+        )
 
     def memory_breakdown(self, ulysses_blocks: int = 3) -> MemoryBreakdown:
         """The memory model of this strategy's pool, model, precision, sharding and checkpointing (pure)."""
