@@ -8,7 +8,6 @@ optimizer: the gradients equal those of one process training on the whole batch.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,15 +29,13 @@ from lightning_hydra.models.checkpointing import (
     remove_selective_checkpointing,
 )
 from lightning_hydra.planner import CostModel, Group
-from lightning_hydra.planner.devices import CPU_RATES, GPU_RATES, DeviceRates, bytes_per_element, gpu_rates
+from lightning_hydra.planner.devices import CPU_RATES, DeviceRates, bytes_per_element, rates_for
 from lightning_hydra.schedule import ZERO_TOKEN_TOKENS
 
 if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
 
 __all__ = ["CPU_LINKS", "HydraModule", "device_rates"]
-
-log = logging.getLogger(__name__)
 
 CPU_LINKS = {
     "bytes_per_element": 4,
@@ -50,23 +47,14 @@ measured)."""
 
 
 def device_rates(device: torch.device, device_name: Callable[[torch.device], str] | None = None) -> DeviceRates:
-    """The rates the default cost model assumes on ``device``: a known GPU's (:data:`~lightning_hydra.planner.devices.
-    GPU_RATES`, by its CUDA name), an H100's for an unknown GPU (said once in the log), one CPU core's elsewhere.
+    """The rates the default cost model assumes on ``device`` (:func:`~lightning_hydra.planner.devices.rates_for`).
 
     Args:
         device: The device the model trains on.
         device_name: The CUDA device's name (default: ``torch.cuda.get_device_name``; tests pass their own).
     """
-    if device.type != "cuda":
-        return CPU_RATES
-    name = (device_name or torch.cuda.get_device_name)(device)
-    rates = gpu_rates(name)
-    if rates is None:
-        log.warning(
-            "no rates known for the GPU %r: the default cost model assumes an H100's (calibration refits it)", name
-        )
-        rates = GPU_RATES["h100"]
-    return rates
+    name = (device_name or torch.cuda.get_device_name)(device) if device.type == "cuda" else ""
+    return rates_for(device.type, name)
 
 
 class HydraModule(pl.LightningModule):

@@ -13,9 +13,12 @@ from here too.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
-__all__ = ["CPU_RATES", "GPU_RATES", "DeviceRates", "bytes_per_element", "gpu_rates"]
+__all__ = ["CPU_RATES", "GPU_RATES", "DeviceRates", "bytes_per_element", "gpu_rates", "rates_for"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +111,25 @@ def gpu_rates(device_name: str) -> DeviceRates | None:
     (``"NVIDIA H100 80GB HBM3"``: H100); ``None`` for an unknown one."""
     lowered = device_name.lower()
     return next((rates for key, rates in GPU_RATES.items() if key in lowered), None)
+
+
+def rates_for(device_type: str, device_name: str = "") -> DeviceRates:
+    """The rates the default cost model assumes on a device: a known GPU's (:func:`gpu_rates` of its CUDA name), an
+    H100's for an unknown GPU (said once in the log), one CPU core's off CUDA.
+
+    Args:
+        device_type: ``torch.device.type`` (``"cuda"``, ``"cpu"``, ...).
+        device_name: The CUDA device's name (``torch.cuda.get_device_name``).
+    """
+    if device_type != "cuda":
+        return CPU_RATES
+    rates = gpu_rates(device_name)
+    if rates is None:
+        log.warning(
+            "no rates known for the GPU %r: the default cost model assumes an H100's (calibration refits)", device_name
+        )
+        rates = GPU_RATES["h100"]
+    return rates
 
 
 def bytes_per_element(precision: str | None) -> int:

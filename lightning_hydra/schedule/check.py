@@ -119,8 +119,7 @@ def simulate(programs: Mapping[int, Sequence[Op]]) -> int:
         agreed = {
             c
             for c in touched
-            if all(p in at and c in at[p].comms for p in c.ranks)
-            and len({signature(at[p], c) for p in c.ranks}) == 1
+            if all(p in at and c in at[p].comms for p in c.ranks) and len({signature(at[p], c) for p in c.ranks}) == 1
         }
         ready = {r for r in live if all(c in agreed for c in at[r].comms)}
         changed = True

@@ -38,6 +38,7 @@ from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.models.checkpointing import check_checkpointing_mode
 from lightning_hydra.planner import POLICIES, CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
+from lightning_hydra.planner.devices import rates_for
 from lightning_hydra.planner.memory import MemoryBreakdown, parse_bytes
 from lightning_hydra.schedule import save_program
 from lightning_hydra.strategy.capacity import configure_cuda_allocator, device_budget, pool_memory
@@ -399,9 +400,8 @@ class HydraStrategy(ParallelStrategy):
         ``cost``) and whether calibration refits them."""
         if self.planner_config.cost is not None or not hasattr(module, "flops_per_second"):
             return
-        from lightning_hydra.models.module import device_rates
-
-        rates = device_rates(self.root_device)
+        device = self.root_device
+        rates = rates_for(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
         rate = module.flops_per_second or rates.flops_per_second
         origin = "given" if module.flops_per_second else f"{rates.name}'s, derived"
         links = f"{rates.intra_node_bandwidth / 1e9:g} / {rates.inter_node_bandwidth / 1e9:g} GB/s"
