@@ -93,6 +93,14 @@ def _assert_params(ranks: list[dict], reference: DecoderLM, stages: int) -> None
             torch.testing.assert_close(row["params"][name], p.detach(), rtol=1e-6, atol=1e-6, msg=name)
 
 
+def strategy_of(cls: type[HydraStrategy] = HydraStrategy, *, layers: int, **kw) -> HydraStrategy:
+    """A CPU strategy of these tests: forkserver ranks, the CPU kernel, the tiny model's cost model, no monitor, a
+    two-minute collective timeout (unless ``kw`` says otherwise)."""
+    kw.setdefault("timeout", timedelta(seconds=120))
+    cost = make_model(layers).cost_model().replace(min_chunk_tokens=16)
+    return cls(start_method="forkserver", kernel="cpu", cost=cost, monitor=False, **kw)
+
+
 def _work(ranks: list[dict], positions: list[int], step: int) -> list[list[Work]]:
     return [[Work(g, t) for g, t in ranks[r]["rows"][step]] for r in positions]
 
@@ -105,17 +113,7 @@ def test_two_stages_by_a_pool_of_four_under_hydra_train_like_one_process(tmp_pat
     reference = make_model(4)
     ref = _fit(tmp_path / "ref", reference, 1, data, seed=2)[0]
     model = make_model(4)
-    strategy = HydraStrategy(
-        pipeline_stages=2,
-        max_tokens_per_rank=128,
-        num_microbatches=6,
-        ranks_per_node=4,
-        start_method="forkserver",
-        kernel="cpu",
-        cost=make_model(4).cost_model().replace(min_chunk_tokens=16),
-        monitor=False,
-        timeout=timedelta(seconds=120),
-    )
+    strategy = strategy_of(layers=4, pipeline_stages=2, max_tokens_per_rank=128, num_microbatches=6, ranks_per_node=4)
     ranks = _fit(tmp_path / "pp", model, 8, data, strategy, seed=2)
     for row in ranks:
         assert row["losses"] == pytest.approx(ref["losses"], rel=1e-6)
@@ -156,16 +154,8 @@ def test_zero2_with_ranks_idle_in_the_first_microbatch_trains_like_one_process(t
     reference = make_model(2)
     ref = _fit(tmp_path / "ref", reference, 1, data, seed=5)[0]
     model = make_model(2)
-    strategy = _ReversedStrategy(
-        max_tokens_per_rank=96,
-        num_microbatches=4,
-        ranks_per_node=2,
-        start_method="forkserver",
-        kernel="cpu",
-        sharding="zero2",
-        cost=make_model(2).cost_model().replace(min_chunk_tokens=16),
-        monitor=False,
-        timeout=timedelta(seconds=120),
+    strategy = strategy_of(
+        _ReversedStrategy, layers=2, max_tokens_per_rank=96, num_microbatches=4, ranks_per_node=2, sharding="zero2"
     )
     ranks = _fit(tmp_path / "z2", model, 4, data, strategy, seed=5)
     for row in ranks:
@@ -218,14 +208,13 @@ class _MisorderedStrategy(HydraStrategy):
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("isolated_process")  # a failed launch leaves no port or variable to the tests after it
 def test_a_misordered_collective_fails_in_seconds_naming_ranks_and_communicator(tmp_path: Path) -> None:
-    strategy = _MisorderedStrategy(
+    strategy = strategy_of(
+        _MisorderedStrategy,
+        layers=2,
         policy="static",  # groups of two in every microbatch: (0, 1) and (2, 3)
         max_tokens_per_rank=128,
         num_microbatches=2,
         ranks_per_node=2,
-        start_method="forkserver",
-        kernel="cpu",
-        monitor=False,
         timeout=timedelta(seconds=10),  # the watchdog reports at half of it
     )
     strategy.reports = str(tmp_path / "watchdog.txt")

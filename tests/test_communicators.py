@@ -4,30 +4,25 @@ each on a communicator of their own, the step-boundary collectives on the defaul
 from __future__ import annotations
 
 import pickle
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from lightning_hydra import HydraDataModule, HydraStrategy
+from lightning_hydra import HydraDataModule
 from lightning_hydra.strategy.recorder import RecordCollectives, recorded_runs
 from lightning_hydra.testing import quiet_trainer
-from tests.test_collective_order import make_dataset, make_model
+from tests.test_collective_order import make_dataset, make_model, strategy_of
 
 
 @pytest.mark.timeout(240)
 def test_ring_pipeline_and_gradient_traffic_each_run_on_their_own_communicator(tmp_path: Path) -> None:
-    strategy = HydraStrategy(
+    strategy = strategy_of(
+        layers=2,
         policy="static",  # one degree over 2 pool positions: every busy microbatch is a ring of 2
         pipeline_stages=2,
         max_tokens_per_rank=128,
         num_microbatches=4,
         ranks_per_node=1,  # no Ulysses: the CP groups are rings
-        start_method="forkserver",
-        kernel="cpu",
-        cost=make_model(2).cost_model().replace(min_chunk_tokens=16),
-        monitor=False,
-        timeout=timedelta(seconds=120),
     )
     out = tmp_path / "ops"
     trainer = quiet_trainer(4, strategy, callbacks=[RecordCollectives(out)], max_steps=2)
