@@ -55,6 +55,15 @@ MLP recomputed alone) keeps both norms' inputs and their (gathered) outputs, the
 
     selective:  2 A h / T' + 2 A h + (A (2 h + 2 kv) + 4 H) / T      (T' = T with sequence parallelism, else 1)
 
+Of these only ``"block"``'s recompute repeats TP collectives: with sequence parallelism it re-gathers both norms'
+outputs and reduce-scatters o's output again (without it, all-reduces o's). ``"block_tp"``
+(``DecoderLM(selective_checkpointing="block_tp")``) keeps instead, under TP (``T > 1``), the residual after
+attention (``A h / T'``, o's collective runs once) and, with sequence parallelism, both norms' gathered outputs
+(``2 A h``), per block::
+
+    selective:  2 A h / T' + 2 A h + (A (2 h + 2 kv) + 4 H) / T      (sequence parallelism: as "units")
+                2 A h + (A (2 h + 2 kv) + 4 H) / T                  (TP without it)
+
 Everything here is an estimate: on a GPU the true peak also depends on the allocator and kernels' workspaces
 (the margin covers them); it has not been checked against a GPU's measured peak yet.
 """
@@ -130,9 +139,11 @@ class ModelMemoryShape:
     selective: str = "block"
     """What selective checkpointing keeps of a block: ``"block"`` (the reference decoder's
     :class:`~lightning_hydra.models.decoder.Block` recomputes its norms with q/k/v and the MLP, keeping the block
-    input and attention's outputs) or ``"units"`` (:func:`~lightning_hydra.models.checkpointing.selective_units`,
-    Hugging Face layers: each norm and the MLP recompute alone, so the norms' inputs and their outputs, the
-    projections' inputs, stay saved too: ``2 A h`` more per block, and the norm inputs ``A h`` each)."""
+    input and attention's outputs), ``"block_tp"`` (the same, keeping under TP what the recompute would communicate
+    for: the residual after attention and the norms' gathered outputs) or ``"units"``
+    (:func:`~lightning_hydra.models.checkpointing.selective_units`, Hugging Face layers: each norm and the MLP
+    recompute alone, so the norms' inputs and their outputs, the projections' inputs, stay saved too: ``2 A h`` more
+    per block, and the norm inputs ``A h`` each)."""
 
     @classmethod
     def for_decoder(
@@ -277,6 +288,9 @@ def activation_bytes_per_token(
     full = (8 * h + 2 * a * h) * norms + 2 * a * h + (split + a * 4 * f) / t
     if checkpointing == "selective" and shape.selective == "units":  # two norm inputs, two gathered norm outputs
         block = 2 * a * h * norms + 2 * a * h + split / t
+    elif checkpointing == "selective" and shape.selective == "block_tp" and t > 1:
+        # the block input and the residual after attention; with SP both norms' gathered outputs
+        block = 2 * a * h * norms + (2 * a * h if sequence_parallel else 0.0) + split / t
     elif checkpointing == "selective":
         block = a * h * norms + split / t
     elif checkpointing == "none":

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from lightning_hydra.planner import CostModel, Group
 from lightning_hydra.schedule import StepLayout
+from lightning_hydra.strategy.gradients import DEFAULT_BUCKET_BYTES, GradientReducer
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.runtime import GradientSync
@@ -64,61 +65,70 @@ def _all_reduce_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
         offset += t.numel()
 
 
-class TensorGradientSync:
-    """Sums this rank's gradients (DTensor shards as their local tensors) over the pool in one flat all-reduce per
-    dtype after the step's last backward (not overlapped with it); partial gradients (sequence-parallel norms) are
-    first summed over the TP group (:func:`sum_partial_gradients`)."""
+class TensorGradientSync(GradientReducer):
+    """Sums this rank's gradients (DTensor shards as their local tensors) over the pool in buckets, launched as the
+    last backward fills them, as a replica's :class:`~lightning_hydra.strategy.gradients.GradientReducer` does.
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, partial_sums: bool = False) -> None:
+    A DTensor parameter's gradient is a DTensor whose local tensor is its slice of the bucket, in the placements
+    autograd gives it (learnt from the gradient of the first step, which the backward hook copies into the bucket;
+    from then on autograd accumulates in place): no gradient is copied and no flat copy of all of them is made.
+    Under sequence parallelism the replicated parameters' gradients (the norms') are partial sums over the TP
+    group, completed by the step's ``partial_sum`` operation after the backward (:func:`sum_partial_gradients`):
+    they go into buckets of their own after all others (*late*), launched by :meth:`finish` only. The buckets
+    launched early carry only complete gradients and go, in one order on every rank, to the pool's communicator
+    only (:meth:`collectives` lists them all, then, in the first step, the bucket-order gather).
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        partial_sums: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         """Args:
-        params: The parameters to reduce (those with ``requires_grad``).
+        params: The parameters to reduce (those with ``requires_grad``), in registration order.
         group: The pool's process group of this rank's TP index and stage.
         partial_sums: Some gradients are partial over the TP group (sequence parallelism) and are summed there
-            first (the step's ``partial_sum`` operation).
+            first (the step's ``partial_sum`` operation): the replicated DTensor parameters' buckets wait for it.
+        bucket_bytes: Target bytes per bucket (of local shards).
         """
-        self.params = [p for p in params if p.requires_grad]
-        self.group = group
         self.partial_sums = partial_sums
-        self.alone = dist.get_world_size(group) == 1
-        """A pool of one position: the pool's sum is the gradient itself, and no collective runs."""
+        self._placements: dict[int, tuple[Placement, ...]] = {}
+        """The placements of each DTensor parameter's gradient as autograd makes them (from its first gradient)."""
+        super().__init__(params, group=group, bucket_bytes=bucket_bytes, alone=dist.get_world_size(group) == 1)
 
-    def begin(self) -> None:
-        """Nothing: gradients accumulate locally over the step's microbatches."""
+    def _late(self, p: nn.Parameter) -> bool:
+        """A replicated DTensor parameter under sequence parallelism: its gradient is partial until summed over the
+        TP group after the backward."""
+        return self.partial_sums and isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
 
-    def arm(self) -> None:
-        """Nothing: the sum runs in :meth:`finish`."""
+    def _wrap(self, p: DTensor, flat: torch.Tensor, placements: tuple[Placement, ...]) -> DTensor:
+        local = flat.view(self._shapes[id(p)])
+        return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
 
-    def _local_dtypes(self) -> dict[torch.dtype, int]:
-        """Elements of the local shards per dtype, in the order the sums run."""
-        out: dict[torch.dtype, int] = {}
-        for p in self.params:
-            local = p.to_local() if isinstance(p, DTensor) else p
-            out[local.dtype] = out.get(local.dtype, 0) + local.numel()
-        return out
+    def _as_grad(self, p: nn.Parameter, flat: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A DTensor over ``flat`` in the placements of ``p``'s gradients (learnt from ``like``); ``None`` while they
+        are unknown (the first step's backward hook copies autograd's gradient in and learns them)."""
+        if not isinstance(p, DTensor):
+            return flat.view(self._shapes[id(p)])
+        if isinstance(like, DTensor):
+            self._placements[id(p)] = tuple(like.placements)
+        placements = self._placements.get(id(p))
+        return None if placements is None else self._wrap(p, flat, placements)
 
-    def collectives(self) -> tuple[tuple[str, str, int, str], ...]:
-        """One all-reduce over the pool per dtype of the local shards (the partial sums are their own operation)."""
-        if self.alone:
-            return ()
-        return tuple(("grad", "all_reduce", n, str(d).removeprefix("torch.")) for d, n in self._local_dtypes().items())
+    def _zeros(self, p: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """Zeros in the gradient's placements (the parameter's while they are unknown)."""
+        if not isinstance(p, DTensor):
+            return flat.view(self._shapes[id(p)])
+        return self._wrap(p, flat, self._placements.get(id(p), tuple(p.placements)))
 
     def sum_partials(self) -> None:
         """Sum the partial gradients over the TP group (the step's ``partial_sum`` operation: the TP ranks of a pool
         position ran the same microbatches, so they hold the same partial gradients and call the same
-        collectives)."""
+        collectives); they stay in their (late) buckets."""
         sum_partial_gradients(self.params)
-
-    def finish(self) -> None:
-        """Sum every gradient over the pool (a rank whose parameter got none contributes zeros)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            by_dtype.setdefault(local.dtype, []).append(local)
-        if not self.alone:
-            for grads in by_dtype.values():
-                _all_reduce_in_place(grads, self.group)
 
 
 class TensorPoolRuntime(PoolRuntime):
@@ -233,13 +243,15 @@ class TensorPoolRuntime(PoolRuntime):
         )
 
     def gradient_sync(self, module: nn.Module) -> GradientSync:
-        """FSDP's reduce-scatter over the pool for a sharded model; otherwise the sum of local gradient shards over
-        the pool (built once; rebuilt if the parameters change)."""
+        """FSDP's reduce-scatter over the pool for a sharded model; otherwise the bucketed sum of local gradient
+        shards over the pool (:class:`TensorGradientSync`; built once, rebuilt if the parameters change)."""
         if self.sharding is not None:
             return super().gradient_sync(module)
         params = [p for p in module.parameters() if p.requires_grad]
         if self._tensor_sync is None or [id(p) for p in self._tensor_sync.params] != [id(p) for p in params]:
             assert self.stage_group is not None, "TensorPoolRuntime.setup has not run"
+            if self._tensor_sync is not None:
+                self._tensor_sync.remove()
             self._tensor_sync = TensorGradientSync(params, self.stage_group, partial_sums=self.sequence_parallel)
         return self._tensor_sync
 
