@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,hf,fast]'
+	$(PY) -m pip install --quiet -e '.[dev,hf,fast,data,megatron]'
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -15,8 +15,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
 
-from lightning_hydra.data.batching import global_batches
+from lightning_hydra.data.batching import EpochBatches
 from lightning_hydra.data.corpus import PAD_ID, StdlibCorpus
+from lightning_hydra.data.mixture import MapSource, Mixture, SourceSpec, open_source, parse_sources
 from lightning_hydra.data.packing import StepBatch, pack_groups, rank_sequences, trained_tokens
 from lightning_hydra.data.source import DatasetSource, checked_lengths, in_memory_lengths, scan_lengths
 from lightning_hydra.errors import ConfigError, check_bool, check_int
@@ -91,9 +92,7 @@ class _StepStream(IterableDataset):
         source = dm._sources[self.split]
         training = self.split == "train"
         epoch = dm.current_epoch() if training else 0
-        batches = global_batches(
-            source.lengths, dm.global_batch_tokens, seed=dm.seed, epoch=epoch, shuffle=dm.shuffle and training
-        )
+        batches = _epoch_batches(source, dm.global_batch_tokens, dm.seed, epoch, dm.shuffle and training)
         start = dm._take_resume_step(epoch) if training else 0
         if training:
             dm._epoch_started(epoch, start)
@@ -103,7 +102,15 @@ class _StepStream(IterableDataset):
                 done: Future = Future()  # planned here, on the loader's critical path
                 try:
                     done.set_result(
-                        dm.make_step(source, epoch, step, batches[step], runtime.cost_model, runtime.cost_version)
+                        dm.make_step(
+                            source,
+                            epoch,
+                            step,
+                            batches[step],
+                            runtime.cost_model,
+                            runtime.cost_version,
+                            epoch_tokens=batches.tokens_before(step + 1),
+                        )
                     )
                 except Exception as exc:  # reported at batch transfer, after the ranks agreed (see below)
                     done.set_exception(exc)
@@ -117,9 +124,32 @@ class _StepStream(IterableDataset):
         try:
             for step in range(start, len(batches)):
                 cost, version = runtime.cost_model, runtime.cost_version
-                yield PendingStep(executor.submit(dm.make_step, source, epoch, step, batches[step], cost, version))
+                mix = batches.tokens_before(step + 1)
+                yield PendingStep(
+                    executor.submit(dm.make_step, source, epoch, step, batches[step], cost, version, epoch_tokens=mix)
+                )
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _epoch_batches(source: Any, budget: int, seed: int, epoch: int, shuffle: bool) -> EpochBatches:
+    """The global batches of an epoch of a split (a :class:`~lightning_hydra.data.mixture.Mixture`, or a bare
+    :class:`~lightning_hydra.data.source.DatasetSource`)."""
+    if isinstance(source, Mixture):
+        return source.epoch_batches(budget, seed=seed, epoch=epoch, shuffle=shuffle)
+    return EpochBatches(source.lengths, budget, seed=seed, epoch=epoch, shuffle=shuffle)
+
+
+def _file_source(dataset: Any) -> bool:
+    """Whether a dataset reads parts of its sequences by itself (indexed token files, Arrow or parquet data)."""
+    return all(callable(getattr(dataset, name, None)) for name in ("read", "describe", "lengths"))
+
+
+def _arrow_dataset(dataset: Any) -> bool:
+    """Whether a dataset is a ``datasets.Dataset`` with an ``input_ids`` column (read through its Arrow table)."""
+    return type(dataset).__module__.startswith("datasets.") and "input_ids" in (
+        getattr(dataset, "column_names", None) or ()
+    )
 
 
 class HydraDataModule(pl.LightningDataModule):
@@ -147,12 +177,18 @@ class HydraDataModule(pl.LightningDataModule):
         val_lengths: Sequence[int] | None = None,
         plan_ahead: bool = True,
         planning_process: bool = True,
+        sources: str | list[str | dict[str, Any]] | None = None,
+        val_sources: str | list[str | dict[str, Any]] | None = None,
+        split_long: bool = False,
     ) -> None:
         """Describe the data and the global batches.
 
         Args:
             train_dataset: Map-style dataset of token-id sequences (1-D tensors, lists, numpy arrays, dicts with
-                ``input_ids``, or a Hugging Face ``datasets`` column). ``None``: the embedded standard-library corpus.
+                ``input_ids``, a Hugging Face ``datasets.Dataset`` or column, or
+                :class:`~lightning_hydra.data.indexed.IndexedTokens` /
+                :class:`~lightning_hydra.data.arrow.ArrowTokens`). ``None``: ``sources`` if given, else the
+                embedded standard-library corpus.
             global_batch_tokens: Tokens per global batch (one optimizer step over the whole pool).
             val_dataset: Validation dataset; ``None`` with the embedded corpus uses its validation split, otherwise
                 there is no validation.
@@ -175,6 +211,20 @@ class HydraDataModule(pl.LightningDataModule):
                 kernels from Python, waits for it (a host-bound CPU training step measured 1.9-2.1x as long beside
                 a 2,048-rank plan in a thread, 1.04-1.23x beside one in a process). The plans are the same; a
                 worker that fails is reported and the thread plans instead. ``False``: plan in the thread.
+            sources: Training data by path, instead of ``train_dataset``: Megatron indexed token files (the prefix
+                of ``.bin``/``.idx``), a ``datasets`` directory written by ``save_to_disk``, an ``.arrow`` file, a
+                parquet file or a directory of them; or several, blended by weight::
+
+                    sources:
+                      - {path: data/web_text_document, weight: 0.7}
+                      - {path: data/code, weight: 0.3, column: input_ids}
+
+                (see :mod:`lightning_hydra.data.mixture`; each source's tokens are logged per step by
+                :class:`~lightning_hydra.BubbleMonitor`).
+            val_sources: Validation data by path (every document once, in order; weights are ignored).
+            split_long: Split documents longer than ``max_seq_len`` into consecutive pieces of ``max_seq_len``
+                tokens (the last shorter), each trained as a document of its own: every token is trained (unlike
+                ``truncate``), and each piece boundary loses one label.
         """
         super().__init__()
         check_int("global_batch_tokens", global_batch_tokens)
@@ -190,6 +240,18 @@ class HydraDataModule(pl.LightningDataModule):
         _check_map_style(val_dataset, "val_dataset")
         if truncate and not max_seq_len:
             raise ValueError("truncate=True needs max_seq_len")
+        check_bool("split_long", split_long)
+        if split_long and not max_seq_len:
+            raise ValueError("split_long=True needs max_seq_len")
+        if split_long and truncate:
+            raise ValueError("choose one of truncate=True (cut long documents) and split_long=True (split them)")
+        if sources is not None and train_dataset is not None:
+            raise ValueError("give the training data once: train_dataset or sources")
+        if val_sources is not None and val_dataset is not None:
+            raise ValueError("give the validation data once: val_dataset or val_sources")
+        self.sources: list[SourceSpec] = parse_sources(sources, "sources")
+        self.val_sources: list[SourceSpec] = parse_sources(val_sources, "val_sources")
+        self.split_long = split_long
         for name, lengths, dataset in (("train", train_lengths, train_dataset), ("val", val_lengths, val_dataset)):
             if lengths is not None and dataset is None:
                 raise ValueError(f"{name}_lengths is given without {name}_dataset")
@@ -207,19 +269,65 @@ class HydraDataModule(pl.LightningDataModule):
         self.plan_ahead = plan_ahead
         self.planning_process = planning_process
         self._worker = PlanWorker()
-        self._sources: dict[str, DatasetSource] = {}
+        self._sources: dict[str, Mixture] = {}
+        self._opened: dict[str, Mixture] = {}  # data by path opened before set-up (the pre-launch checks)
         self._resume: tuple[int, int] | None = None
+        self._resume_data: dict[str, Any] | None = None
         self._epoch_start_step = 0
         self._epoch = 0
 
     # ------------------------------------------------------------------ datasets
     def _datasets(self) -> tuple[Any, Any]:
-        """The training and validation datasets (the embedded corpus' splits when ``train_dataset`` is ``None``)."""
+        """The training and validation datasets (the embedded corpus' splits when neither ``train_dataset`` nor
+        ``sources`` is given)."""
         train, val = self.train_dataset, self.val_dataset
-        if train is None:
+        if train is None and not self.sources:
             train = StdlibCorpus("train", max_bytes=self.corpus_max_bytes)
-            val = StdlibCorpus("val", max_bytes=self.corpus_max_bytes) if val is None else val
+            val = StdlibCorpus("val", max_bytes=self.corpus_max_bytes) if val is None and not self.val_sources else val
         return train, val
+
+    @property
+    def long_documents(self) -> str:
+        """What happens to documents longer than ``max_seq_len``: ``"error"``, ``"truncate"`` or ``"split"``."""
+        return "split" if self.split_long else "truncate" if self.truncate else "error"
+
+    def _by_path(self, split: str) -> Mixture | None:
+        """The split's data given by path, opened once (``None`` where it is not given by path)."""
+        specs = self.sources if split == "train" else self.val_sources
+        if not specs:
+            return None
+        if split not in self._opened:
+            name = "train" if split == "train" else "validation"
+            self._opened[split] = Mixture(
+                [open_source(spec) for spec in specs],
+                name,
+                weights=[spec.weight for spec in specs],
+                max_seq_len=self.max_seq_len,
+                long=self.long_documents,
+                blend=split == "train",
+            )
+        return self._opened[split]
+
+    def _mixture(self, split: str, dataset: Any, lengths: Any, runtime: Any) -> Mixture | None:
+        """The split's units: by path, or over a dataset (a file dataset read as such, a map-style one through a
+        :class:`~lightning_hydra.data.source.DatasetSource`)."""
+        opened = self._by_path(split)
+        if opened is not None or dataset is None:
+            return opened
+        name = "train" if split == "train" else "validation"
+        if lengths is None and _arrow_dataset(dataset):
+            from lightning_hydra.data.arrow import ArrowTokens
+
+            dataset = ArrowTokens(dataset, name=name)
+        if lengths is None and _file_source(dataset):
+            return Mixture([dataset], name, max_seq_len=self.max_seq_len, long=self.long_documents)
+        source = DatasetSource(dataset, name, self.max_seq_len, self.truncate, lengths=lengths, runtime=runtime)
+        return Mixture([MapSource(source)], name, max_seq_len=self.max_seq_len, long=self.long_documents)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_opened"] = {}  # each process opens the data by path itself (the pickle stays small)
+        return state
 
     def lengths_before_setup(self) -> dict[str, np.ndarray]:
         """Lengths of the splits that are known without reading items (given, ``dataset.lengths()``, or a dataset
@@ -227,6 +335,10 @@ class HydraDataModule(pl.LightningDataModule):
         use. Splits whose lengths need a scan are left out (they are checked at set-up, identically on every rank)."""
         train, val = self._datasets()
         out = {}
+        for split, name in (("train", "train"), ("val", "validation")):
+            opened = self._by_path(split)
+            if opened is not None:
+                out[name] = opened.lengths
         for name, dataset, given in (("train", train, self.train_lengths), ("validation", val, self.val_lengths)):
             if dataset is None:
                 continue
@@ -234,8 +346,13 @@ class HydraDataModule(pl.LightningDataModule):
                 raise ConfigError(f"the {name} dataset is empty")
             lengths = given if given is not None else (dataset.lengths() if hasattr(dataset, "lengths") else None)
             lengths = in_memory_lengths(dataset, name) if lengths is None else lengths
-            if lengths is not None:
-                out[name] = checked_lengths(lengths, len(dataset), name, self.max_seq_len, self.truncate)
+            if lengths is None:
+                continue
+            if given is None and _file_source(dataset):  # its units, empty documents left out
+                out[name] = Mixture([dataset], name, max_seq_len=self.max_seq_len, long=self.long_documents).lengths
+                continue
+            lengths = checked_lengths(lengths, len(dataset), name, self.max_seq_len, self.truncate)
+            out[name] = np.minimum(lengths, self.max_seq_len) if self.split_long else lengths
         return out
 
     def check_longest(self, split: str, lengths: np.ndarray) -> int:
@@ -243,9 +360,16 @@ class HydraDataModule(pl.LightningDataModule):
         longest = int(lengths.max())
         if self.max_seq_len and longest > self.max_seq_len:
             index = int(lengths.argmax())
+            mixture = self._sources.get("train" if split == "train" else "val") or self._opened.get(
+                "train" if split == "train" else "val"
+            )
+            where = ""
+            if mixture is not None and not isinstance(mixture.sources[0], MapSource) and index < len(mixture):
+                where = f" ({mixture.describe(index)})"
             raise ConfigError(
-                f"{split} sequence {index} has {longest} tokens, over max_seq_len={self.max_seq_len}; "
-                "pass truncate=True to cut it (its tail will not be trained)"
+                f"{split} sequence {index}{where} has {longest} tokens, over max_seq_len={self.max_seq_len}; "
+                "pass truncate=True to cut it (its tail will not be trained), or split_long=True to train it in "
+                "pieces"
             )
         return longest
 
@@ -258,6 +382,10 @@ class HydraDataModule(pl.LightningDataModule):
                 f"(ids 0..{vocab_size - 1}): pass HydraDataModule(pad_id=...) with a token of the model's vocabulary "
                 "(its padding or EOS id)"
             )
+        for split in ("train", "val"):  # data by path: a sample of its token ids (every read is checked again)
+            opened = self._by_path(split)
+            if opened is not None:
+                opened.check_sample(vocab_size, self.seed)
 
     @override
     def setup(self, stage: str) -> None:
@@ -267,13 +395,12 @@ class HydraDataModule(pl.LightningDataModule):
         self.check_vocabulary(vocab)
         if "train" not in self._sources:
             train, val = self._datasets()
-            self._sources["train"] = DatasetSource(
-                train, "train", self.max_seq_len, self.truncate, lengths=self.train_lengths, runtime=runtime
-            )
-            if val is not None:
-                self._sources["val"] = DatasetSource(
-                    val, "validation", self.max_seq_len, self.truncate, lengths=self.val_lengths, runtime=runtime
-                )
+            self._sources["train"] = self._mixture("train", train, self.train_lengths, runtime)  # type: ignore[assignment]
+            val_mixture = self._mixture("val", val, self.val_lengths, runtime)
+            if val_mixture is not None:
+                self._sources["val"] = val_mixture
+            for mixture in self._sources.values():
+                mixture.check_sample(vocab, self.seed)
         if "val" not in self._sources:
             if stage == "validate":
                 raise ConfigError("there is no validation data: pass HydraDataModule(val_dataset=...)")
@@ -342,26 +469,30 @@ class HydraDataModule(pl.LightningDataModule):
 
     def make_step(
         self,
-        source: DatasetSource,
+        source: Mixture | DatasetSource,
         epoch: int,
         step: int,
         indices: np.ndarray,
         cost: CostModel | None = None,
         cost_version: int = 0,
+        *,
+        epoch_tokens: np.ndarray | None = None,
     ) -> StepBatch:
         """Plan one global batch and pack this rank's share of it (safe in a planning thread: no collectives).
 
         Args:
-                source: The split's dataset and lengths.
+                source: The split's units (or a dataset and its lengths).
                 epoch: The epoch.
                 step: The step inside the epoch.
-                indices: Dataset indices of the global batch.
+                indices: Unit (dataset) indices of the global batch.
                 cost: The cost model to plan with (default: the runtime's current one).
                 cost_version: Its version (recorded in the step).
+                epoch_tokens: Of a blend: each source's tokens in the epoch's steps up to this one.
         """
         runtime = self._runtime()
         cost = cost or runtime.cost_model
-        lengths = source.lengths[indices]
+        indices = np.asarray(indices, dtype=np.int64)
+        lengths = np.asarray(source.lengths[indices], dtype=np.int64)
         rank = runtime.global_rank
         seed = self.seed + epoch * 1_000_003 + step
         from lightning_hydra.strategy.runtime import HydraRuntime
@@ -376,7 +507,16 @@ class HydraDataModule(pl.LightningDataModule):
             planned = plan_step(runtime.batch_planner(), lengths, seed=seed, cost=cost, rank=rank)
         mine = rank_sequences(planned.rank_groups, rank)  # read only the sequences this rank holds a shard of
         sequences = {i: source.item(int(indices[i])) for i in mine}
-        micro = pack_groups(sequences, planned.rank_groups, rank, self.pad_id, dataset_ids=indices.tolist())
+        micro = pack_groups(sequences, planned.rank_groups, rank, self.pad_id, dataset_ids=indices)
+        mix = source.source_tokens(indices) if isinstance(source, Mixture) else None
+        blend = {}
+        if mix is not None and source.blend:
+            blend = {
+                "sources": source.metric_names(),
+                "source_tokens": tuple(int(x) for x in mix),
+                "source_epoch_tokens": tuple(int(x) for x in (epoch_tokens if epoch_tokens is not None else mix)),
+                "source_weights": tuple(float(w) for w in source.weights),
+            }
         return StepBatch(
             epoch=epoch,
             step=step,
@@ -390,6 +530,7 @@ class HydraDataModule(pl.LightningDataModule):
             predicted_loads=tuple(float(x) for x in planned.loads),
             # this rank's rows of the plan's features (each ring at the link its layout gives it)
             features=tuple(tuple(float(x) for x in f) for f in planned.features),
+            **blend,
         )
 
     @override
@@ -416,6 +557,12 @@ class HydraDataModule(pl.LightningDataModule):
             return 0
         saved_epoch, step = self._resume
         self._resume = None
+        saved, train = self._resume_data, self._sources.get("train")
+        if saved is not None and train is not None and saved != train.fingerprint():
+            raise ConfigError(
+                f"the checkpoint was made with other training data ({_differs(saved, train.fingerprint())}): its "
+                "batches cannot be continued"
+            )
         if saved_epoch != epoch:
             return 0
         rank_zero_info(f"HydraDataModule: resuming epoch {epoch} at step {step}")
@@ -424,10 +571,22 @@ class HydraDataModule(pl.LightningDataModule):
     @override
     def state_dict(self) -> dict[str, Any]:
         done = (int(self.trainer.global_step) if self.trainer is not None else 0) - self._epoch_start_step
-        return {"seed": self.seed, "epoch": self._epoch, "step": max(0, done)}
+        state = {"seed": self.seed, "epoch": self._epoch, "step": max(0, done)}
+        if "train" in self._sources:
+            state["data"] = self._sources["train"].fingerprint()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if int(state_dict.get("seed", self.seed)) != self.seed:
             raise ValueError(f"checkpoint was made with seed {state_dict['seed']}, this run has seed {self.seed}")
         self._resume = (int(state_dict["epoch"]), int(state_dict["step"]))
+        self._resume_data = state_dict.get("data")
+
+
+def _differs(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """The first entry of two data fingerprints that differs, as ``key: saved -> now``."""
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            return f"{key}: {saved.get(key)} -> {now.get(key)}"
+    return "same"

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lightning_hydra.cp.layout import ZigzagMeta, zigzag_source_index
@@ -114,11 +115,35 @@ class StepBatch:
     features: tuple[tuple[float, ...], ...] = ()
     """Calibration features of this rank's work in every microbatch (see
     :func:`lightning_hydra.planner.calibration.bin_features`)."""
+    sources: tuple[str, ...] = ()
+    """Of a blend (:mod:`lightning_hydra.data.mixture`): the sources' names (empty otherwise)."""
+    source_tokens: tuple[int, ...] = ()
+    """Of a blend: each source's tokens in this global batch."""
+    source_epoch_tokens: tuple[int, ...] = ()
+    """Of a blend: each source's tokens in the epoch's global batches up to this one."""
+    source_weights: tuple[float, ...] = ()
+    """Of a blend: each source's asked share of the tokens."""
+
+    def source_metrics(self) -> dict[str, float]:
+        """Of a blend, per source: ``data/tokens/<name>`` (tokens of this step), ``data/share/<name>`` (its share of
+        the epoch's tokens so far: the realised mixture) and ``data/weight/<name>`` (the asked share); empty
+        otherwise. The same on every rank (:class:`~lightning_hydra.BubbleMonitor` logs them)."""
+        if not self.sources:
+            return {}
+        total = sum(self.source_epoch_tokens)
+        out: dict[str, float] = {}
+        for name, tokens, seen, weight in zip(
+            self.sources, self.source_tokens, self.source_epoch_tokens, self.source_weights, strict=True
+        ):
+            out[f"data/tokens/{name}"] = float(tokens)
+            out[f"data/share/{name}"] = seen / total if total else float("nan")
+            out[f"data/weight/{name}"] = float(weight)
+        return out
 
 
-def trained_tokens(lengths: Sequence[int]) -> int:
+def trained_tokens(lengths: Sequence[int] | np.ndarray) -> int:
     """Labelled tokens of a batch: every token but each document's last."""
-    return int(sum(max(0, int(n) - 1) for n in lengths))
+    return int(np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0).sum())
 
 
 def pack_rank(
