@@ -421,7 +421,10 @@ def test_every_sizing_problem_is_reported_at_once_with_values_that_fit(tmp_path)
     with pytest.raises(ConfigError) as raised:
         trainer.fit(_tiny(), data)
     said = str(raised.value)
-    assert said.startswith("each of the 2 pipeline stages plans the batch on its own pool of 2 ranks: ")
+    assert said.startswith(
+        "4 devices with pipeline_stages=2 (DP 2 x PP 2): each of the 2 stages plans the batch on its own pool of 2 "
+        "ranks (devices / pipeline_stages): "
+    )
     assert "global_batch_tokens=3000 exceeds what 1 microbatch of 2 ranks x 1024 tokens hold (2048)" in said
     assert "the train data holds a sequence of 3000 tokens, more than the pool can hold (2 ranks x 1024" in said
     assert strategy.launcher.procs == []

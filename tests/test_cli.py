@@ -103,7 +103,8 @@ def test_compare_runs_each_policy_and_renders_one_dashboard(tmp_path, capfd):
     assert_readable(captured.out + captured.err)
     assert "run 1/2, policy static" in printed and "run 2/2, policy hydra" in printed  # progress
     assert "PP bubble minimum: the fill and drain idle time of the step's own microbatch times" in printed  # legend
-    assert re.search(r"^static +\| +1 \|", printed, re.M) and re.search(r"^hydra +\| +1 \|", printed, re.M)
+    for policy in ("static", "hydra"):  # run, layout (DP 4 on the 4 ranks), steps
+        assert re.search(rf"^{policy} +\| +DP 4 +\| +1 \|", printed, re.M), printed
     page = out / "dashboard" / "index.html"
     assert page.exists()
     html = page.read_text()

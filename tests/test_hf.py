@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hydra.cp.context import CPContext
-from lightning_hydra.models.hf import HFCausalLM, apply_hf, remove_hf
+from lightning_hydra.models.hf import HFCausalLM, apply_hf, remove_hf, unsupported_attention
 
 CONFIG = dict(
     vocab_size=258,
@@ -105,12 +105,32 @@ SMALL = dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
 
 
+def test_the_refusal_s_advice_gives_full_attention() -> None:
+    """Gemma 2 built as its refusal advises (``layer_types`` all full attention and no attention soft-capping; a
+    window of ``None`` alone left its sliding layers) is accepted and runs through the engine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma2", **SMALL, head_dim=8, sliding_window=None)
+    assert "its layers include sliding_attention layers" in unsupported_attention(
+        AutoModelForCausalLM.from_config(config)
+    )
+    advised = AutoConfig.for_model("gemma2", **SMALL, head_dim=8, layer_types=["full_attention"] * 2,
+                                   attn_logit_softcapping=None)  # fmt: skip
+    model = HFCausalLM(config=advised)
+    ids = torch.randint(0, 258, (16,))
+    with torch.no_grad(), model.local_cp.use(CPContext.local_group(), [0, 16]):
+        assert torch.isfinite(model(ids, torch.arange(16), labels=ids))
+
+
 @pytest.mark.parametrize(
     ("model_type", "extra", "said"),
     [
         ("mistral", {"sliding_window": 8}, "it applies a sliding window of 8 tokens"),
         ("gemma2", {"sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"]},
-         "its layers include sliding_attention layers"),
+         r"its layers include sliding_attention layers and it soft-caps its attention logits "
+         r"\(attn_logit_softcapping=50.0\), .*build it with layer_types=\['full_attention'\] \* 2, "
+         r"attn_logit_softcapping=None in its config\)$"),
+        ("mistral", {"sliding_window": 8}, r"build it with sliding_window=None in its config\)$"),
         ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 4,
                         "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},

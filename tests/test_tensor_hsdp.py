@@ -16,7 +16,7 @@ from lightning_hydra.errors import ConfigError
 from lightning_hydra.strategy.prelaunch import preflight
 from lightning_hydra.testing import quiet_trainer
 from tests.test_sharding import make_dataset, make_model
-from tests.test_tensor import Record, _fit, _strategy
+from tests.test_tensor import CAPTURE_CHECK, VIEW_WARNING, Record, _fit, _strategy
 
 
 class Placements(pl.Callback):
@@ -81,6 +81,9 @@ def test_hsdp_tp2_trains_like_one_process(tmp_path: Path, stages: int, ranks_per
     for rank in ranks:
         assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert rank["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        # sequence parallelism (on by default) under hsdp: no block returned a view to FSDP2, on any rank
+        assert rank["warnings"][0] == CAPTURE_CHECK
+        assert not [w for w in rank["warnings"] if VIEW_WARNING in w], rank["warnings"]
     # positions sat out microbatches: zero-token passes in the last (on every stage, the activations they send
     # included)
     assert sum(r["idle"] for r in ranks) > 0
@@ -152,6 +155,11 @@ def test_hsdp_tp_layout_checks_stop_before_launch() -> None:
     strategy.parallel_devices = [torch.device("cpu")] * 16  # 2 nodes of 8: a pool of 8 positions, (2, 4)
     preflight(strategy, model, None)
     strategy.parallel_devices = [torch.device("cpu")] * 12  # 6 positions, 4 per node: not whole nodes
-    with pytest.raises(ConfigError, match="world size 6 is not a multiple of ranks_per_node=4") as info:
+    message = (
+        r"^12 devices with tensor_parallel=2 leave a pool of 6 positions \(devices / \(pipeline_stages x "
+        r"tensor_parallel\)\), and a node \(ranks_per_node=8\) holds 4 positions of 2 devices: a pool must be whole "
+        r"nodes or divide one; use 4, 8, 16 devices$"
+    )
+    with pytest.raises(ConfigError, match=message) as info:
         preflight(strategy, model, None)
     assert "\n" not in str(info.value)

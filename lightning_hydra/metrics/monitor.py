@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_hydra.errors import check_bool, check_choice, check_int
-from lightning_hydra.metrics.loads import step_metrics
+from lightning_hydra.metrics.loads import LOSS_WINDOW, step_metrics
 from lightning_hydra.metrics.record import RECORDS_FILE, StepRecord
 from lightning_hydra.planner.calibration import FITTED
 
@@ -52,7 +52,9 @@ class BubbleMonitor(Callback):
                 (a pipelined run measures its own bubble at its own depth).
             step_time: Step time ``S`` of ``bubble/dp``: the measured wall time (``"wall"``), the replayed critical
                 path of the measured busy times (``"replay"``), or ``"auto"``: replay when the host runs more ranks
-                than it has cores (CPU runs), where wall time measures the operating system's time slicing.
+                than it has cores (CPU runs), where wall time measures the operating system's time slicing. A run
+                resumed from a checkpoint keeps the method the run it continues used (``"auto"`` is decided once per
+                run); every step records the bubble under both (``bubble/dp_wall``, ``bubble/dp_replay``).
             timeline_every_n_steps: Keep the full rank x microbatch measurements (timeline) every this many steps.
             records: Append every step to ``hydra_steps.jsonl`` in the first logger's directory (global rank 0; nothing
                 is written without a logger).
@@ -67,19 +69,27 @@ class BubbleMonitor(Callback):
         self.prog_bar = check_bool("prog_bar", prog_bar)
         self.history: list[dict[str, float]] = []
         """The metrics of every step of this run (same on every rank)."""
+        self.losses: list[float] = []
+        """The train loss of every step of this run (same on every rank)."""
         self.overhead_seconds = 0.0
         """Wall seconds of this callback's last step (its share of the measurement overhead)."""
         self.records_path: Path | None = None
         """Where the step records are written (global rank 0), once training started."""
         self.resumed_from: Path | None = None
         """The records file of the run this one resumed (from the checkpoint), if any."""
+        self.method: str | None = None
+        """The step time ``bubble/dp`` uses in this run (``"replay"`` or ``"wall"``), once decided: at the first step,
+        or from the checkpoint of the run this one continues."""
         self._resume_step = 0
+        self._marked = False
 
     # ------------------------------------------------------------------ helpers
     def _replay(self, trainer: pl.Trainer) -> bool:
         if self.step_time != "auto":
             return self.step_time == "replay"
-        return bool(getattr(trainer.strategy, "oversubscribed", False))
+        if self.method is None:  # decided once per run: a resumed run keeps the method of the run it continues
+            self.method = "replay" if getattr(trainer.strategy, "oversubscribed", False) else "wall"
+        return self.method == "replay"
 
     @staticmethod
     def log_dir(trainer: pl.Trainer) -> Path:
@@ -94,8 +104,19 @@ class BubbleMonitor(Callback):
         assert self.records_path is not None
         self.records_path.parent.mkdir(parents=True, exist_ok=True)
         row: dict[str, Any] = {"step": record.step, "metrics": metrics, "loss": loss}
-        row["policy"] = getattr(getattr(trainer.strategy, "planner_config", None), "policy", "single")
+        strategy = trainer.strategy
+        row["policy"] = getattr(getattr(strategy, "planner_config", None), "policy", "single")
         row["step_time"] = "replay" if self._replay(trainer) else "wall"
+        layout = getattr(strategy, "run_layout", None)  # devices = DP x TP x PP (the dashboard's header, labels)
+        if layout is not None:
+            row["layout"] = layout.to_json()
+        row["calibrated"] = bool(getattr(strategy, "calibrate", False))
+        measured = "plan/pipeline_stages" in metrics
+        depth = int(metrics["plan/pipeline_stages"]) if measured else self.pipeline_stages
+        row["pipeline"] = {"stages": depth, "measured": measured}  # bubble/pp: measured, or projected at P
+        if self._resume_step and not self._marked:  # the first step after a resume
+            row["resumed"] = True
+        self._marked = True
         if record.step % self.timeline_every_n_steps == 0:
             row["record"] = record.to_json()
         with open(self.records_path, "a") as f:
@@ -122,18 +143,30 @@ class BubbleMonitor(Callback):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"records_path": str(self.records_path.resolve()) if self.records_path is not None else None}
+        path = str(self.records_path.resolve()) if self.records_path is not None else None
+        return {"records_path": path, "step_time": self.method}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         path = state_dict.get("records_path")
         self.resumed_from = Path(path) if path else None
+        if self.step_time == "auto" and state_dict.get("step_time") in ("replay", "wall"):
+            self.method = state_dict["step_time"]  # the run this one continues decided it
 
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.history = []
+        self.losses = []
         self._resume_step = int(trainer.global_step)
+        self._marked = False
+        if not self._resume_step:
+            self.method = None  # a fresh run decides again
+        if self._resume_step and self.method is not None and self.step_time == "auto":
+            rank_zero_info(
+                f"BubbleMonitor: resumed at step {self._resume_step}; bubble/dp keeps the {self.method} step time of "
+                "the run it continues"
+            )
         if not trainer.loggers:
             self.records_path = None  # no logger, no log directory: nothing is written
             return
@@ -166,7 +199,18 @@ class BubbleMonitor(Callback):
         if cost is not None:
             for name in FITTED:
                 metrics[f"cost_model/{name}"] = float(getattr(cost, name))
+        source_metrics = getattr(batch, "source_metrics", None)  # a blend's tokens per source (HydraDataModule)
+        if callable(source_metrics):
+            metrics.update(source_metrics())
         self.history.append(metrics)
+        loss = trainer.callback_metrics.get("train/loss")  # the same on every rank (summed over the pool)
+        if loss is not None:
+            self.losses.append(float(loss))
+            if self.prog_bar:
+                recent = float(np.mean(self.losses[-LOSS_WINDOW:]))
+                pl_module.log(
+                    "loss_avg", recent, on_step=True, on_epoch=False, batch_size=1, prog_bar=True, logger=False
+                )
         shown = dict(metrics, **{"throughput/tokens_per_s": self.throughput()})  # the bar: over the run so far
         for name, value in metrics.items():
             pl_module.log(name, float(value), on_step=True, on_epoch=False, batch_size=1, prog_bar=False)
@@ -181,7 +225,6 @@ class BubbleMonitor(Callback):
                     logger=False,
                 )
         if trainer.is_global_zero:
-            loss = trainer.callback_metrics.get("train/loss")
             if self.records and self.records_path is not None:
                 self._write(trainer, record, metrics, None if loss is None else float(loss))
             self._tensorboard_timeline(trainer, record)
@@ -227,8 +270,14 @@ class BubbleMonitor(Callback):
             pp += f" {bubble:.3f} (minimum {floor:.3f} for these microbatch times)"
         else:
             pp += f" {median('bubble/pp'):.3f}"
+        losses = ""
+        if self.losses:
+            window = self.losses[-LOSS_WINDOW:]
+            losses = f"; train loss {np.mean(window):.3f} (mean of the last {len(window)} steps; last {window[-1]:.3f})"
+            val = trainer.callback_metrics.get("val/loss") if trainer is not None else None
+            losses += f", validation loss {float(val):.3f}" if val is not None else ""
         return (
             f"lightning-hydra: {len(self.history)} steps{resumed}, {tokens:,.0f} tokens trained; median "
-            f"bubble/dp {median('bubble/dp'):.3f}, {pp}, balance {median('balance/max_over_mean'):.3f}; "
+            f"bubble/dp {median('bubble/dp'):.3f}, {pp}, balance {median('balance/max_over_mean'):.3f}{losses}; "
             f"{self.throughput():,.0f} tokens/s{where}"
         )

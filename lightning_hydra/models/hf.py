@@ -122,27 +122,46 @@ def _rope_types(config: PretrainedConfig) -> set[str]:
     return {str(p.get("rope_type", p.get("type"))) for p in params}
 
 
+def _attention_changes(config: PretrainedConfig) -> tuple[list[str], list[str]]:
+    """What in ``config`` makes the model's attention other than full causal attention, and every config change
+    that makes it that: a user who wants full attention gets all of them at once (Gemma 2 needs two:
+    ``layer_types`` all full attention, since its layer types do not follow ``sliding_window``, and no attention
+    soft-capping, which the attention function would refuse at the first step)."""
+    reasons, fixes = [], []
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({str(t) for t in layer_types if t != "full_attention"})
+        if other:
+            reasons.append(f"its layers include {', '.join(other)} layers")
+            fixes.append(f"layer_types=['full_attention'] * {len(layer_types)}")
+    elif getattr(config, "sliding_window", None) is not None:
+        reasons.append(f"it applies a sliding window of {config.sliding_window} tokens")
+        fixes.append("sliding_window=None")
+    if getattr(config, "attention_chunk_size", None) is not None:
+        reasons.append(f"it applies chunked attention ({config.attention_chunk_size} tokens)")
+        fixes.append("attention_chunk_size=None")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        reasons.append(f"it soft-caps its attention logits (attn_logit_softcapping={config.attn_logit_softcapping})")
+        fixes.append("attn_logit_softcapping=None")
+    return reasons, fixes
+
+
 def unsupported_attention(model: PreTrainedModel) -> str | None:
     """Why the CP engine cannot compute ``model``'s attention (``None``: it can). transformers' own rule for context
     parallelism (``PreTrainedModel.supports_context_parallel`` where it exists): every layer of ``layer_types`` full
     attention (not sliding-window, chunked, linear or convolutional), and without ``layer_types`` no
     ``sliding_window`` (models before ``layer_types`` apply it to every layer, some only through the mask), nor an
-    ``attention_chunk_size``; and no rotary scaling that reads the row's largest position (:data:`_ROW_ROPE`)."""
+    ``attention_chunk_size``; no attention soft-capping (``attn_logit_softcapping``, Gemma 2's); and no rotary
+    scaling that reads the row's largest position (:data:`_ROW_ROPE`). The reason names every config change that
+    gives full attention (:func:`_attention_changes`)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(config, "layer_types", None)
-    full = (
-        ", and the CP engine computes full causal attention within each document (set the config's {} if that is "
-        "what the model should learn)"
-    )
-    if layer_types is not None:
-        other = sorted({str(t) for t in layer_types if t != "full_attention"})
-        if other:
-            return f"its layers include {', '.join(other)} layers" + full.format("layer_types to full attention")
-    elif getattr(config, "sliding_window", None) is not None:
-        return f"it applies a sliding window of {config.sliding_window} tokens" + full.format("sliding_window to None")
-    if getattr(config, "attention_chunk_size", None) is not None:
-        chunk = f"it applies chunked attention ({config.attention_chunk_size} tokens)"
-        return chunk + full.format("attention_chunk_size to None")
+    reasons, fixes = _attention_changes(config)
+    if reasons:
+        return (
+            f"{' and '.join(reasons)}, and the CP engine computes full causal attention within each document, "
+            f"without a window or soft-capping (if that is what the model should learn, build it with "
+            f"{', '.join(fixes)} in its config)"
+        )
     position_dependent = sorted(_rope_types(config) & _ROW_ROPE)
     if position_dependent:
         return (

@@ -13,8 +13,18 @@ import numpy as np
 
 from lightning_hydra.metrics.record import RECORDS_FILE
 from lightning_hydra.report.plots import SERIES, save, series_figure, timeline_figure
+from lightning_hydra.report.runs import (
+    calibration_note,
+    cp_degrees,
+    dp_bubble,
+    layout_of,
+    method_switches,
+    pipeline_note,
+    position_labels,
+    resumes,
+)
 
-__all__ = ["find_runs", "load_run", "render_report", "summary_table"]
+__all__ = ["find_runs", "load_run", "render_report", "run_header", "summary_table"]
 
 _SUMMARY = (
     ("balance/max_over_mean", "balance max/mean", "{:.3f}"),
@@ -43,13 +53,18 @@ def find_runs(paths: Sequence[str | Path]) -> list[Path]:
 
 
 SUMMARY_LEGEND = (
+    ("layout", "the run's devices as DP x TP (x PP): DP is the pool of positions that dynamic CP plans over"),
     ("steps", "optimizer steps recorded"),
     ("balance max/mean", "the busiest rank's busy time over the mean (1.0 is perfect)"),
-    ("DP bubble", "share of rank-time spent waiting in a step"),
+    (
+        "DP bubble",
+        "share of rank-time spent waiting in a step, on the step time in brackets: the wall clock, or the critical "
+        "path replayed from busy times (hosts with more ranks than cores); one step time per run",
+    ),
     (
         "PP bubble",
-        "a pipelined run's measured 1F1B bubble; without stages, the bubble a pipeline of depth P (4 by default) "
-        "would have with these microbatch times",
+        "a pipelined run's measured 1F1B bubble; without stages, projected: the bubble a pipeline of depth P (4 by "
+        "default) would have with these microbatch times (in brackets: measured or projected, and P)",
     ),
     (
         "PP bubble minimum",
@@ -57,7 +72,11 @@ SUMMARY_LEGEND = (
     ),
     ("tokens/s", "trained tokens per wall second"),
     ("schedule ms", "wall time of planning one global batch (in the data loader, ahead of the step)"),
-    ("cost-model error", "relative error of the planner's predicted microbatch times"),
+    (
+        "cost-model error",
+        "relative error of the planner's predicted microbatch times (with calibration off, the analytic model's: "
+        "typically 2-3x off on a CPU)",
+    ),
     ("CP comm ms", "time per rank inside context-parallel collectives, waits included"),
     ("measuring overhead", "share of the step spent gathering measurements, calibrating and logging"),
 )
@@ -96,16 +115,53 @@ def load_run(path: Path) -> tuple[str, list[dict[str, Any]]]:
 
 
 def summary_table(runs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
-    """Header and one row per run: the median of each summary metric over the run's steps."""
-    table = [["run", "steps"] + [label for _, label, _ in _SUMMARY]]
+    """Header and one row per run: its layout, then the median of each summary metric over the run's steps, each
+    saying how it was obtained where that varies: the DP bubble's step time (one per run,
+    :func:`~lightning_hydra.report.runs.dp_bubble`), the pipeline bubble measured or projected at ``P``, the
+    cost-model error with calibration off."""
+    table = [["run", "layout", "steps"] + [label for _, label, _ in _SUMMARY]]
     for name, rows in runs.items():
-        line = [name, str(len(rows))]
+        layout = layout_of(rows)
+        line = [name, layout.degrees() if layout is not None else "-", str(len(rows))]
         for metric, _, fmt in _SUMMARY:
-            values = [r["metrics"][metric] for r in rows if metric in r["metrics"]]
-            values = [v for v in values if v is not None and np.isfinite(v)]
-            line.append(fmt.format(float(np.median(values))) if values else "-")
+            note = ""
+            if metric == "bubble/dp":
+                bubble = dp_bubble(rows)
+                values = [v for _, v in bubble.values]
+                note = f"{bubble.method} step time"
+                if len(values) < len(rows):
+                    note += f", {len(values)} of {len(rows)} steps"
+            else:
+                values = [r["metrics"][metric] for r in rows if metric in r["metrics"]]
+                values = [v for v in values if v is not None and np.isfinite(v)]
+                note = pipeline_note(rows) if metric in ("bubble/pp", "bubble/pp_min") else ""
+                note = calibration_note(rows) if metric == "cost_model/error" else note
+            cell = fmt.format(float(np.median(values))) if values else "-"
+            line.append(f"{cell} ({note})" if values and note else cell)
         table.append(line)
     return table
+
+
+_STEP_TIMES = {"replay": "replayed step time (the critical path of busy times)", "wall": "wall-clock step time"}
+
+
+def run_header(name: str, rows: list[dict[str, Any]]) -> str:
+    """One line about a run for the dashboard's header: its layout (devices = DP x TP x PP, CP degrees inside the
+    pool), the DP bubble's step time, calibration, and where it was resumed or changed step time."""
+    layout = layout_of(rows)
+    parts = [layout.describe("devices") if layout is not None else "layout not recorded"]
+    degrees = cp_degrees(rows)
+    if degrees is not None:
+        low, high = degrees
+        parts.append(f"CP degrees {low}-{high} per sequence inside the DP pool" if high > low else f"CP degree {low}")
+    bubble = dp_bubble(rows)
+    parts.append(f"DP bubble on the {_STEP_TIMES[bubble.method]}")
+    calibration = calibration_note(rows)
+    if calibration:
+        parts.append(calibration)
+    parts += [f"resumed at step {step}" for step in resumes(rows)]
+    parts += [f"step time {before} -> {after} at step {step}" for step, before, after in method_switches(rows)]
+    return f"{name}: " + "; ".join(parts)
 
 
 def _img(path: Path) -> str:
@@ -155,10 +211,13 @@ def render_report(paths: Sequence[str | Path], out_dir: str | Path, *, steps: Se
             chosen = [recorded[-1]]
         for row in chosen:
             png = out / f"timeline_{k}_step{row['step']}.png"
-            save(timeline_figure(row["record"], title=f"{name}: step {row['step']}"), png)
+            record = row["record"]
+            width = len(record["busy"][0]) if record["busy"] else 0
+            labels = position_labels(width, row.get("layout"), record.get("stage"))
+            save(timeline_figure(record, title=f"{name}: step {row['step']}", labels=labels), png)
             timelines.append(png)
     table = summary_table(runs)
-    replayed = [name for name, rows in runs.items() if rows[-1].get("step_time") == "replay"]
+    replayed = [name for name, rows in runs.items() if dp_bubble(rows).method == "replay"]
     replay_note = (
         f'<p class="note">Runs {", ".join(html.escape(n) for n in replayed)} ran more ranks than CPU cores: their DP '
         "bubble uses the step time replayed from the measured busy times (each rank on a core of its own), since the "
@@ -166,22 +225,29 @@ def render_report(paths: Sequence[str | Path], out_dir: str | Path, *, steps: Se
         if replayed
         else ""
     )
+    headers = "".join(f"<li>{html.escape(run_header(name, rows))}</li>" for name, rows in runs.items())
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table[0])
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table[1:])
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>lightning-hydra dashboard</title>
 <style>{_STYLE}</style></head><body>
 <h1>lightning-hydra dashboard</h1>
-<p class="note">{len(runs)} run(s). Medians over each run's steps. <b>DP bubble</b>: share of rank-time spent
-waiting in a step; <b>PP bubble</b>: the 1F1B bubble a pipeline of the configured depth would have with these
-microbatch times (measured, in a pipelined run), beside its <b>minimum</b> for these microbatch times (the idle
-time at the pipeline's ends; (P-1)/(M+P-1) when every microbatch is equally long); <b>balance</b>: the busiest
-rank's busy time over the mean; <b>cost-model error</b>: relative error of the planner's predicted microbatch time.</p>
+<ul class="note">{headers}</ul>
+<p class="note">{len(runs)} run(s). Medians over each run's steps. <b>Layout</b>: devices = DP x TP (x PP), DP being
+the pool of positions (a position is a TP group under TP) that context parallelism is planned over. <b>DP
+bubble</b>: share of rank-time spent waiting in a step, on one step time per run (in brackets); <b>PP bubble</b>:
+the 1F1B bubble, measured in a pipelined run, and for a run without stages projected: what a pipeline of the assumed
+depth P would have with these microbatch times (in brackets), beside its <b>minimum</b> for these microbatch times
+(the idle time at the pipeline's ends; (P-1)/(M+P-1) when every microbatch is equally long); <b>balance</b>: the
+busiest position's busy time over the mean; <b>cost-model error</b>: relative error of the planner's predicted
+microbatch time (with calibration off, the analytic model's). Dashed vertical lines mark resumes; dotted ones a change
+of step time.</p>
 <table><tr>{head}</tr>{body}</table>
 {replay_note}
 <h2>Over training</h2><div class="grid">{"".join(_img(p) for p in series)}</div>
-<h2>Rank x microbatch timelines</h2>
-<p class="note">Coloured: busy (forward + backward of a microbatch, labelled with its CP degree); hatched grey: waiting
-for the slowest rank before the step's gradient sum.</p>
+<h2>Pool position x microbatch timelines</h2>
+<p class="note">One row per pool position (a rank; under TP a TP group, its ranks in brackets). Coloured: busy
+(forward + backward of a microbatch, labelled with its CP degree); hatched grey: waiting for the slowest position
+before the step's gradient sum.</p>
 <div class="timeline">{"".join(_img(p) for p in timelines)}</div>
 </body></html>
 """

@@ -10,13 +10,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from lightning_hydra.metrics.loads import replay_step_time
+from lightning_hydra.metrics.loads import LOSS_WINDOW, replay_step_time
+from lightning_hydra.report.runs import calibration_note, dp_bubble, method_switches, pipeline_note, resumes
 
 __all__ = ["SERIES", "save", "series_figure", "timeline_figure"]
 
 SERIES: tuple[tuple[str, str], ...] = (
     ("bubble/dp", "DP bubble (share of rank-time waiting)"),
-    ("bubble/pp", "projected pipeline bubble"),
+    ("bubble/pp", "pipeline bubble (measured with stages; without: projected at P)"),
     ("balance/max_over_mean", "busy time max / mean over ranks"),
     ("throughput/tokens_per_s", "throughput (trained tokens / s)"),
     ("cost_model/error", "cost-model error (relative)"),
@@ -31,7 +32,13 @@ _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 
 def series_figure(runs: dict[str, list[dict[str, Any]]], metric: str, title: str) -> Figure:
-    """One metric over steps, one line per run (runs are named, e.g. by policy).
+    """One metric over steps, one line per run (runs are named, e.g. by policy), with each run's resumes marked
+    (dashed vertical lines).
+
+    The DP bubble is drawn under one step time per run (:func:`~lightning_hydra.report.runs.dp_bubble`; the other,
+    where recorded, dotted), and a change of step time between steps is marked (dotted vertical line). The pipeline
+    bubble's label says whether it was measured or projected at an assumed depth, the cost-model error's whether the
+    run calibrated.
 
     Args:
         runs: ``name -> rows`` of ``hydra_steps.jsonl``.
@@ -41,16 +48,37 @@ def series_figure(runs: dict[str, list[dict[str, Any]]], metric: str, title: str
     fig = _figure(6.4, 3.2)
     ax = fig.subplots()
     for k, (name, rows) in enumerate(runs.items()):
-        steps, values = [], []
-        for row in rows:
-            value = row.get("loss") if metric == "loss" else row["metrics"].get(metric)
-            if value is not None and np.isfinite(value):
-                steps.append(row["step"])
-                values.append(value)
         color = _COLORS[k % len(_COLORS)]
-        if values:
+        note = ""
+        if metric == "bubble/dp":
+            bubble = dp_bubble(rows)
+            pairs = bubble.values
+            note = f", {bubble.method} step time"
+            if bubble.other:
+                xs, ys = zip(*bubble.other, strict=True)
+                ax.plot(xs, ys, linestyle=":", color=color, alpha=0.6, label=f"{name}: {bubble.other_method} step time")
+            for step, before, after in method_switches(rows):
+                ax.axvline(step - 0.5, linestyle=":", color=color, alpha=0.8, label=f"{name}: {before} -> {after}")
+        else:
+            pairs = []
+            for row in rows:
+                value = row.get("loss") if metric == "loss" else row["metrics"].get(metric)
+                if value is not None and np.isfinite(value):
+                    pairs.append((row["step"], value))
+            note = f", {pipeline_note(rows)}" if metric in ("bubble/pp", "bubble/pp_min") else ""
+            calibration = calibration_note(rows) if metric == "cost_model/error" else ""
+            note += f", {calibration}" if calibration else ""
+        if pairs:
+            steps, values = zip(*pairs, strict=True)
             med = float(np.median(values))
-            ax.plot(steps, values, marker=".", color=color, label=f"{name} (median {med:.3g})")
+            ax.plot(steps, values, marker=".", color=color, label=f"{name} (median {med:.3g}{note})")
+            if metric == "loss" and len(values) > 1:  # one step's loss follows its batch's documents
+                mean = [float(np.mean(values[max(0, k - LOSS_WINDOW + 1) : k + 1])) for k in range(len(values))]
+                ax.plot(
+                    steps, mean, linestyle="--", color=color, alpha=0.7, label=f"{name}: mean of {LOSS_WINDOW} steps"
+                )
+        for n, step in enumerate(resumes(rows)):
+            ax.axvline(step - 0.5, linestyle="--", color=color, alpha=0.6, label=f"{name}: resumed" if not n else None)
         floor = [(row["step"], row["metrics"].get(_FLOORS[metric])) for row in rows if metric in _FLOORS]
         floor = [(x, y) for x, y in floor if y is not None and np.isfinite(y)]
         if floor:
@@ -68,8 +96,8 @@ def series_figure(runs: dict[str, list[dict[str, Any]]], metric: str, title: str
     return fig
 
 
-def timeline_figure(record: dict[str, Any], title: str = "") -> Figure:
-    """Rank x time chart of one step: each rank's microbatches (busy) and the gaps where it waits.
+def timeline_figure(record: dict[str, Any], title: str = "", labels: list[str] | None = None) -> Figure:
+    """Rank x time chart of one step: each pool position's microbatches (busy) and the gaps where it waits.
 
     Busy times are the measured ones; their placement in time is replayed from the plan (a group starts a
     microbatch when all its members finished the previous one), so the chart shows the schedule's waiting even on
@@ -78,6 +106,8 @@ def timeline_figure(record: dict[str, Any], title: str = "") -> Figure:
     Args:
         record: ``StepRecord.to_json()``.
         title: Figure title.
+        labels: One label per row (default ``"rank r"``; under TP a row is a pool position, a TP group:
+            :func:`~lightning_hydra.report.runs.position_labels`).
     """
     busy = np.asarray(record["busy"], dtype=np.float64)
     leader = np.asarray(record["leader"], dtype=np.int64)
@@ -114,7 +144,7 @@ def timeline_figure(record: dict[str, Any], title: str = "") -> Figure:
     handles = [Patch(color=_COLORS[m % len(_COLORS)], label=f"microbatch {m}") for m in range(min(m_count, 6))]
     handles.append(Patch(facecolor="#dddddd", hatch="//", edgecolor="#aaaaaa", label=f"waiting ({waiting:.1%})"))
     ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(handles), 4))
-    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_yticks(range(n), labels if labels is not None else [f"rank {r}" for r in range(n)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (busy time, replayed in plan order)")
     ax.set_title(title, fontsize=11)

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 from lightning_hydra._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from lightning_hydra.strategy.checks import check_digests, check_pool
+    from lightning_hydra.strategy.checks import check_digests
     from lightning_hydra.strategy.gradients import GradientReducer
+    from lightning_hydra.strategy.layout import check_pool
     from lightning_hydra.strategy.pool import PoolRuntime
     from lightning_hydra.strategy.runtime import GradientSync, HydraRuntime, LocalRuntime
     from lightning_hydra.strategy.strategy import HydraStrategy
@@ -45,6 +46,6 @@ __getattr__, __dir__ = lazy_exports(
         "LocalRuntime": "lightning_hydra.strategy.runtime",
         "PoolRuntime": "lightning_hydra.strategy.pool",
         "check_digests": "lightning_hydra.strategy.checks",
-        "check_pool": "lightning_hydra.strategy.checks",
+        "check_pool": "lightning_hydra.strategy.layout",
     },
 )

@@ -14,7 +14,7 @@ from lightning_hydra.planner import CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
 from lightning_hydra.strategy.sizing import check_sizing
 
-__all__ = ["all_gather_single", "check_arguments", "check_digests", "check_fits", "check_heads", "check_pool"]
+__all__ = ["all_gather_single", "check_arguments", "check_digests", "check_fits", "check_heads"]
 
 
 def check_arguments(*, cost: Any, calibrate: Any, calibration: Any, monitor: Any, timeout: Any) -> None:
@@ -31,22 +31,6 @@ def check_arguments(*, cost: Any, calibrate: Any, calibration: Any, monitor: Any
         raise TypeError(f"monitor must be True, False or a BubbleMonitor, got {monitor!r}")
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
-
-
-def check_pool(world_size: int, ranks_per_node: int) -> None:
-    """Raise :class:`~lightning_hydra.errors.ConfigError` unless the pool is whole nodes, or a part of one node that
-    divides it."""
-    if world_size < 1 or ranks_per_node < 1:
-        raise ConfigError(f"world size ({world_size}) and ranks_per_node ({ranks_per_node}) must be positive")
-    if world_size >= ranks_per_node and world_size % ranks_per_node:
-        raise ConfigError(
-            f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}: set "
-            "HydraStrategy(ranks_per_node=...) to the ranks (GPUs) of one node, and run whole nodes"
-        )
-    if world_size < ranks_per_node and ranks_per_node % world_size:
-        raise ConfigError(
-            f"a world of {world_size} ranks smaller than a node must divide ranks_per_node={ranks_per_node}"
-        )
 
 
 def check_heads(num_heads: int | None, max_ulysses: int | None) -> None:
@@ -97,17 +81,32 @@ def check_fits(
     longest: int,
     split: str,
     global_batch_tokens: int,
+    tensor: int | None = None,
 ) -> None:
     """Raise :class:`~lightning_hydra.errors.ConfigError` when a sequence of ``longest`` tokens cannot fit the pool at
     any degree, or a global batch of ``global_batch_tokens`` cannot fit its microbatches, both in one message with
     values that fit (pure: callable before any process starts; see :mod:`lightning_hydra.strategy.sizing`).
 
     Args:
-        config: The planner settings.
-        world_size: Ranks in the pool.
+        config: The planner settings (its ``pipeline_stages`` name the stages in the message).
+        world_size: Positions in one stage's pool (ranks without TP).
         num_heads: Attention heads of the model (``None``: any Ulysses degree).
         longest: The longest sequence of the data.
         split: Name of the data split (for the message).
         global_batch_tokens: Tokens per global batch.
+        tensor: The TP degree, for the message (``None``: in a rank at set-up, the world's devices over the stages'
+            pools; 1 before any process group exists).
     """
-    check_sizing(config, world_size, num_heads, longest={split: longest}, global_batch_tokens=global_batch_tokens)
+    stages = config.pipeline_stages
+    if tensor is None:
+        devices = dist.get_world_size() if dist.is_available() and dist.is_initialized() else world_size * stages
+        tensor = max(1, devices // (world_size * stages))
+    check_sizing(
+        config,
+        world_size,
+        num_heads,
+        longest={split: longest},
+        global_batch_tokens=global_batch_tokens,
+        stages=stages,
+        tensor=tensor,
+    )

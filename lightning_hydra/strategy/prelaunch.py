@@ -38,10 +38,10 @@ from typing_extensions import override
 
 from lightning_hydra._environ import LaunchEnvironment
 from lightning_hydra.data.datamodule import HydraDataModule, model_vocab_size
-from lightning_hydra.errors import ConfigError, RankDiedError
-from lightning_hydra.strategy.checks import check_heads, check_pool
+from lightning_hydra.errors import RankDiedError
+from lightning_hydra.strategy.checks import check_heads
 from lightning_hydra.strategy.exits import LAUNCHER_PID_ENV, LauncherWatch, RankWatch, exit_reason
-from lightning_hydra.strategy.pipeline import PipelineLayout
+from lightning_hydra.strategy.layout import check_layout
 from lightning_hydra.strategy.runtime import model_heads
 from lightning_hydra.strategy.sizing import check_sizing
 from lightning_hydra.strategy.tensor import check_tensor_block, check_tensor_parallel, known_blocks
@@ -87,12 +87,13 @@ def preflight(
     """
     config = strategy.planner_config
     world = max(1, strategy.num_nodes) * max(1, strategy.num_processes)
-    tensor = check_tensor(strategy, model, world)  # with TP, the pool counts one position per TP group
-    try:  # with pipeline stages, each stage's pool plans the batch
-        pool = PipelineLayout.of_world(world // tensor, getattr(strategy, "pipeline_stages", 1)).pool
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    check_pool(pool, config.ranks_per_node)
+    tensor = getattr(strategy, "tensor_parallel", 1)
+    stages = getattr(strategy, "pipeline_stages", 1)
+    # devices = stages x pool x TP: with TP the pool counts one position per TP group, and each stage's pool plans
+    # the batch
+    layout = check_layout(world, tensor=tensor, stages=stages, ranks_per_node=config.ranks_per_node * tensor)
+    pool = layout.pool
+    check_tensor(strategy, model, world)
     heads = model_heads(model)[0] if model is not None else None
     heads = heads // tensor if heads is not None else None  # what Ulysses splits
     check_heads(heads, config.max_ulysses)
@@ -114,7 +115,8 @@ def preflight(
             heads,
             longest=longest,
             global_batch_tokens=datamodule.global_batch_tokens,
-            stages=getattr(strategy, "pipeline_stages", 1),
+            stages=stages,
+            tensor=tensor,
         )
 
 
@@ -151,6 +153,15 @@ def _run_preflight(strategy: HydraStrategy, trainer: pl.Trainer | None, args: tu
     model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
     datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
     preflight(strategy, model, datamodule, trainer.state.fn)
+    # Trainer.fit's arguments: (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)
+    ckpt_path = args[4] if trainer.state.fn == TrainerFn.FITTING and len(args) > 4 else None
+    if isinstance(ckpt_path, str | os.PathLike) and str(ckpt_path) not in ("last", "best", "hpc", "registry"):
+        from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+        from lightning_hydra.strategy.checkpoint import check_complete
+
+        if _is_local_file_protocol(ckpt_path):
+            check_complete(ckpt_path)  # a torn or missing checkpoint: one line, before any rank starts
 
 
 class CheckedSubprocessLauncher(_SubprocessScriptLauncher):

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_hydra.errors import ConfigError
+from lightning_hydra.strategy.layout import tensor_fits
 
 __all__ = [
     "BLOCK_LAYOUTS",
@@ -66,7 +67,7 @@ MESH_DIMS = ("pp", "pool", "tp")
 def check_tensor_parallel(
     tensor: int,
     *,
-    world: int,
+    world: int | None,
     ranks_per_node: int,
     heads: int | None = None,
     kv_heads: int | None = None,
@@ -74,9 +75,11 @@ def check_tensor_parallel(
 ) -> None:
     """Raise a one-line :class:`~lightning_hydra.errors.ConfigError` when ``tensor_parallel`` cannot lay out the run.
 
+    The degrees it suggests fit the node and the world (:func:`~lightning_hydra.strategy.layout.tensor_fits`).
+
     Args:
         tensor: The TP degree ``T``.
-        world: Ranks of the whole run.
+        world: Ranks (devices) of the whole run (``None``: not known yet, only the node is checked).
         ranks_per_node: Ranks (GPUs) of one node.
         heads: The model's query heads (``None``: not checked).
         kv_heads: The model's key/value heads (``None``: not checked).
@@ -84,14 +87,17 @@ def check_tensor_parallel(
     """
     if tensor == 1:
         return
+    fits = tensor_fits(world, ranks_per_node) if world is not None else _divisors(ranks_per_node)
+    on = f" on {world} devices" if world is not None else ""
     if ranks_per_node % tensor:
         raise ConfigError(
             f"tensor_parallel={tensor} does not divide ranks_per_node={ranks_per_node}: a TP group must lie inside "
-            f"one node; use one of {_divisors(ranks_per_node)}"
+            f"one node; use one of {fits}{on}"
         )
-    if world % tensor:
+    if world is not None and world % tensor:
         raise ConfigError(
-            f"tensor_parallel={tensor} does not divide the world of {world} ranks; use one of {_divisors(world)}"
+            f"tensor_parallel={tensor} does not divide the {world} devices (they must be whole TP groups); use one "
+            f"of {fits} with ranks_per_node={ranks_per_node}"
         )
     if heads is not None and heads % tensor:
         raise ConfigError(
@@ -358,14 +364,40 @@ def _split_tokens(
 
 
 def _gather_tokens(module: nn.Module, args: tuple, output: Any) -> Any:
-    """Forward hook of the last block: its token-sharded output gathered to the whole (plain) hidden states."""
+    """Forward hook of the last block: its token-sharded output gathered to the whole (plain) hidden states, a new
+    tensor (:class:`_GatherTokens`), never a view: FSDP2 hooks a block's output for its backward."""
 
     def gather(x: Any) -> Any:
-        return x.redistribute(x.device_mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+        return _GatherTokens.apply(x) if isinstance(x, DTensor) else x
 
     if isinstance(output, tuple):
         return (gather(output[0]), *output[1:])
     return gather(output)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """A token-sharded DTensor all-gathered to the plain tensor every TP rank holds whole, returned as a tensor of
+    its own.
+
+    ``redistribute(...).to_local()`` would return a view (``to_local`` is ``view_as`` under autograd): FSDP2 warns
+    of a view returned by a ``fully_shard``-ed block ("returned a view tensor ... wrong gradients"), since an
+    in-place op on it would drop the hook that gathers the block's parameters for backward. Here the all-gather's
+    own output is returned (an uneven split, which DTensor trims by a view, is copied). The backward is
+    redistribute's: the gradient, the same on every TP rank (the head's and the final norm's backward sum theirs
+    over the group), is cut to this rank's token shard.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, shard: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout = (shard.device_mesh, shard.placements, shard.shape, shard.stride())
+        whole = shard.redistribute(shard.device_mesh, [Replicate()]).to_local()  # no autograd here: no view_as
+        return whole.clone() if whole._base is not None else whole
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        mesh, placements, shape, stride = ctx.layout
+        whole = DTensor.from_local(grad, mesh, [Replicate()], shape=shape, stride=stride, run_check=False)
+        return whole.redistribute(mesh, placements)
 
 
 def _tied(model: nn.Module, weight: nn.Parameter) -> bool:
