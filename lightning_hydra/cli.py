@@ -8,6 +8,7 @@ Training goes through Lightning's ``LightningCLI`` (``fit``, ``validate``); the 
     lightning-hydra report runs/compare                      # render the dashboard of logged runs
     lightning-hydra plan --world-size 64 --context 32768     # print the plan of one global batch
     lightning-hydra simulate --config recipes/sim-512-32k.yaml --json
+    lightning-hydra export runs/ckpt/last.ckpt out/model --dtype bf16   # a checkpoint as a Hugging Face directory
 
 An error is printed as one line naming the problem, once (from global rank 0 when every rank found it, from the
 rank that found it otherwise); ``--traceback`` prints every rank's full traceback instead, under a line naming the
@@ -40,6 +41,8 @@ COMMANDS = {
     "report": "render the dashboard (HTML with inlined PNGs) of logged runs",
     "plan": "plan one long-tailed global batch and print groups, degrees, predicted balance and efficiency",
     "simulate": "the cluster-scale simulator: real planner, simulated hardware (recipes/sim-*.yaml)",
+    "prepare": "tokenize text (jsonl, parquet, plain files) into Megatron indexed token files (.bin/.idx)",
+    "export": "write a checkpoint (any layout, any world size) as a Hugging Face model directory (safetensors)",
 }
 """The subcommands and what each does."""
 
@@ -304,7 +307,7 @@ def _plan(argv: list[str]) -> int:
     from lightning_hydra.bench.batches import DISTRIBUTIONS, make_batch
     from lightning_hydra.console import progress
     from lightning_hydra.planner import CostModel, PlannerConfig
-    from lightning_hydra.strategy.checks import check_pool
+    from lightning_hydra.strategy.layout import check_pool
 
     if args.num_heads % args.num_kv_heads:
         parser.error(f"--num-heads {args.num_heads} is not a multiple of --num-kv-heads {args.num_kv_heads}")
@@ -350,7 +353,7 @@ def _plan(argv: list[str]) -> int:
     )  # fmt: skip
     label = (
         f"lightning-hydra plan: planning {lengths.size:,} sequences ({int(lengths.sum()):,} tokens) on "
-        f"{args.world_size:,} ranks with {args.policy}"
+        f"{args.world_size:,} {_unit(args)} with {args.policy}"
     )
     with progress(label, every=10.0):
         plan = config.schedule(
@@ -456,14 +459,15 @@ def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
 
         print(
             f"memory per rank ({shape.num_params / 1e9:.2f}B parameters, {args.precision}, {args.optimizer}, "
-            f"sharding {args.sharding} over {args.world_size:,} ranks, {args.checkpointing} activation "
-            f"checkpointing, {args.pipeline_stages} pipeline stage{'s' * (args.pipeline_stages > 1)}"
-            + (f", tensor parallel {args.tensor_parallel} (world size: TP groups)" if args.tensor_parallel > 1 else "")
+            f"sharding {args.sharding} over the pool's {args.world_size:,} {_unit(args)}, {args.checkpointing} "
+            f"activation checkpointing, {args.pipeline_stages} pipeline stage{'s' * (args.pipeline_stages > 1)}"
+            + (f", tensor parallel {args.tensor_parallel} (a position: a TP group)" if args.tensor_parallel > 1 else "")
             + (", sequence-parallel norms" if _sequence_parallel(args) else "")
             + "; "
             "lightning_hydra.planner.memory, an estimate not yet checked on a GPU):"
         )
         print("\n".join(f"  {line}" for line in sized.lines()))
+        print(f"  (unsharded: {_UNSHARDED[args.sharding]})")
         print(f"capacity (tokens per rank) of every mode at {args.memory}:")
         print(f"  {'sharding':<10}" + "".join(f"{'ckpt ' + mode:>18}" for mode in CHECKPOINTING_MODES))
         for sharding, row in table.items():
@@ -479,14 +483,25 @@ def _memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
 
 
 def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any, loads: Any, summary: dict) -> None:
+    from lightning_hydra.strategy.layout import RunLayout
+
     defaults = vars(_plan_parser().parse_args([]))
 
     def given(*names: str) -> str:
         return " (given)" if any(defaults.get(n) != getattr(args, n) for n in names) else ""
 
     print("settings (defaults unless marked; `lightning-hydra plan --help` describes each option):")
-    print(f"  pool           {args.world_size:,} ranks{given('world_size')}, {args.ranks_per_node} per node"
-          f"{given('ranks_per_node')}")  # fmt: skip
+    layout = RunLayout(
+        args.world_size * args.tensor_parallel * args.pipeline_stages, args.tensor_parallel, args.pipeline_stages,
+        args.ranks_per_node,
+    )  # fmt: skip
+    tp = args.tensor_parallel
+    print(f"  layout         {layout.describe('GPUs')}{given('tensor_parallel', 'pipeline_stages', 'ranks_per_node')}")
+    per_node = max(1, min(args.ranks_per_node // tp, args.world_size))
+    groups = f": each a TP group of {tp} GPUs" if tp > 1 else ""
+    stage = " (one stage's)" if args.pipeline_stages > 1 else ""
+    print(f"  pool{stage:<11}{args.world_size:,} {_unit(args)}{given('world_size')}, {per_node} per node{groups}: "
+          "what context parallelism is planned over (DP x CP; --world-size)")  # fmt: skip
     if args.capacity:
         capacity_note = " (given)"
     elif args.memory is not None:
@@ -532,7 +547,8 @@ def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any
         )
         for g in sorted(busy, key=lambda g: -g.degree)[:6]:
             lens = sorted((int(lengths[i]) for i in g.seq_ids), reverse=True)
-            ranks = f"rank {g.ranks[0]}" if len(g.ranks) == 1 else f"ranks {g.ranks[0]}-{g.ranks[-1]}"
+            unit = "position" if args.tensor_parallel > 1 else "rank"  # a position is a TP group
+            ranks = f"{unit} {g.ranks[0]}" if len(g.ranks) == 1 else f"{unit}s {g.ranks[0]}-{g.ranks[-1]}"
             shown = ", ".join(f"{x:,}" for x in lens[:5]) + (", ..." if len(lens) > 5 else "")
             print(
                 f"    {ranks}: degree {g.degree} = {g.ulysses} Ulysses x {g.ring} ring, {len(lens)} "
@@ -541,12 +557,95 @@ def _print_plan(args: argparse.Namespace, capacity: int, lengths: Any, plan: Any
         if len(busy) > 6:
             print(f"    ... {len(busy) - 6} more groups")
     print(PLAN_LEGEND)
+    if args.tensor_parallel > 1:
+        print(
+            f"  position    under --tensor-parallel {args.tensor_parallel}, what a group's members and the loads "
+            f"are counted in: a TP group of {args.tensor_parallel} GPUs\n"
+            "              holding the same tokens (position i is GPUs i x T to i x T + T - 1 of its stage)"
+        )
+
+
+def _unit(args: argparse.Namespace) -> str:
+    """What the pool counts: ranks, or under ``--tensor-parallel`` positions (TP groups)."""
+    return "positions" if args.tensor_parallel > 1 else "ranks"
+
+
+_UNSHARDED = {
+    "none": "a replica's parameters are whole anyway; under bf16-mixed, autocast's bf16 copies of them",
+    "zero2": "what a step holds whole beside the shards: the stage's parameters gathered in compute precision and "
+    "their whole gradients, accumulated over the microbatches before the one reduce-scatter",
+    "zero3": "what a step holds whole beside the shards: the root's parameters (embedding, head) and two blocks at "
+    "a time (the current one and the prefetched one), in compute precision, with their gradients",
+    "hsdp": "what a step holds whole beside the shards: the stage's parameters gathered in compute precision and "
+    "their whole gradients, accumulated over the microbatches before the one reduce-scatter",
+}
+"""What the memory breakdown's ``unsharded`` line holds, by sharding mode (:mod:`lightning_hydra.planner.memory`)."""
 
 
 def _simulate(argv: list[str]) -> int:
     from lightning_hydra.sim.cli import main as simulate
 
     return simulate(argv)
+
+
+def _prepare(argv: list[str]) -> int:
+    parser = _parser(
+        "prepare",
+        "Tokenize text into Megatron indexed token files (<output>.bin and <output>.idx, megatron-core's format) "
+        "that HydraDataModule(sources=...) trains on, and print what the planner will see. Inputs: JSON-lines files "
+        "(the text under --text-field), parquet files (the --text-field column), plain files (one document each), "
+        "or directories of them.",
+    )
+    parser.add_argument("inputs", nargs="+", help="files or directories of text")
+    parser.add_argument("--tokenizer", required=True, help="a local Hugging Face tokenizer directory (tokenizer.json)")
+    parser.add_argument("--output", required=True, help="prefix of OUTPUT.bin, OUTPUT.idx and OUTPUT.summary.json")
+    parser.add_argument("--text-field", default="text", help="JSON field or parquet column of the text")
+    parser.add_argument("--workers", type=_bounded(int, 1, 1024), default=max(1, min(8, os.cpu_count() or 1)),
+                        help="tokenizing processes")  # fmt: skip
+    parser.add_argument("--eos-token", default=None, help="end-of-document token (default: the tokenizer's eos_token)")
+    parser.add_argument("--no-eos", action="store_true", help="append no end-of-document token")
+    parser.add_argument("--max-seq-len", type=_bounded(int, 1, None), default=None,
+                        help="summarise the pieces HydraDataModule(split_long=True) cuts documents into")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON on standard output")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    from lightning_hydra.data.prepare import prepare
+
+    summary = prepare(
+        args.inputs, args.output, args.tokenizer, text_field=args.text_field, workers=args.workers,
+        eos_token=args.eos_token, append_eos=not args.no_eos, max_seq_len=args.max_seq_len,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    from lightning_hydra.export import DTYPES
+
+    parser = _parser(
+        "export",
+        "Write a checkpoint this package saved (a replica's file or a sharded directory: any FSDP2, tensor-parallel "
+        "and pipeline layout, any world size) as a Hugging Face directory that AutoModelForCausalLM.from_pretrained "
+        "loads: config.json, safetensors shards and their index, generation_config.json and tokenizer files where "
+        "the run had them.",
+    )
+    parser.add_argument("checkpoint", help="the checkpoint (e.g. runs/x/checkpoints/last.ckpt)")
+    parser.add_argument("out_dir", help="the directory to write")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the written weights")
+    parser.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file (transformers' default)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory to copy (default: the run's, if any)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    args = parser.parse_args(argv)
+    from lightning_hydra.export import export_checkpoint
+
+    out = export_checkpoint(
+        args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size, tokenizer=args.tokenizer,
+    )  # fmt: skip
+    print(f"lightning-hydra export: {out}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -556,6 +655,8 @@ _OWN: dict[str, Callable[[list[str]], int]] = {
     "report": _report,
     "plan": _plan,
     "simulate": _simulate,
+    "prepare": _prepare,
+    "export": _export,
 }
 
 

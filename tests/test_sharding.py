@@ -5,6 +5,9 @@ repeats CP communication."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -150,7 +153,8 @@ def test_sharded_pool_trains_like_one_process(tmp_path: Path, reference, shardin
     strategy = _strategy(
         sharding, 96, exit_log, policy="static", num_microbatches=6, activation_checkpointing="selective"
     )
-    ranks = _fit(tmp_path, sharding, model, 4, 3, strategy)
+    saves = [] if sharding == "zero2" else [ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)]
+    ranks = _fit(tmp_path, sharding, model, 4, 3, strategy, callbacks=saves)
     assert max(ref["norms"]) > 0.2  # clipping changed the update (and stayed exact)
     for rank in ranks:  # every rank: hsdp's two replicas each hold a whole model
         assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)
@@ -163,6 +167,8 @@ def test_sharded_pool_trains_like_one_process(tmp_path: Path, reference, shardin
     shards = 2 if sharding == "hsdp" else 4  # hsdp shards inside a node of 2 ranks
     for rank in ranks:
         assert rank["bytes"]["params"] <= replica["params"] / shards * 1.2
+    if saves:  # the sharded checkpoint exports as a Llama (zero2's: the killed-and-resumed run's)
+        assert_exports_as_llama(tmp_path / "ckpt" / "last.ckpt", tmp_path / "hf", model, ref_model)
     # a worker that returned released its CP communicators and the process groups before its interpreter finalised
     for rank in range(4):
         left = json.loads(Path(f"{exit_log}.rank{rank}").read_text())
@@ -192,6 +198,90 @@ def test_zero2_state_and_resume_on_fewer_ranks(tmp_path: Path) -> None:
         assert_params(rank, full_model, rtol=1e-4, atol=1e-6)
     for (name, p), q in zip(full_model.named_parameters(), resumed_model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _KillMidSave(HydraStrategy):
+    """Rank 1 dies (SIGKILL, as SLURM's after KillWait) in the middle of the second save: its shards written, the
+    checkpoint's metadata not yet."""
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        self._saves = getattr(self, "_saves", 0) + 1
+        if self._saves == 2 and self.global_rank == 1:
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            write = FileSystemWriter.write_data
+
+            def write_then_die(writer, plan, planner):
+                write(writer, plan, planner).wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            FileSystemWriter.write_data = write_then_die
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), model.local_cp.use(CPContext.local_group(), [0, ids.numel()]):
+        return model(ids, torch.arange(ids.numel()))
+
+
+def assert_exports_as_llama(checkpoint: Path, out: Path, *models) -> None:
+    """``lightning-hydra export`` of ``checkpoint`` (float32) loads in transformers as a LlamaForCausalLM whose logits
+    on held-out tokens are each of ``models``' (<= 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_hydra.cli import main
+
+    assert main(["export", str(checkpoint), str(out), "--dtype", "fp32", "--max-shard-size", "60KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded as transformers shards
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.dtype == torch.float32
+    ids = torch.randint(0, 258, (56,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    for model in models:
+        torch.testing.assert_close(theirs, _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_save_loses_nothing_and_the_run_resumes_exactly(tmp_path: Path, reference) -> None:
+    """A save publishes a checkpoint's name only once every rank's shards and the metadata are written: rank 1
+    killed in the middle of the second save (4 zero2 ranks, a ``last.ckpt`` every step) leaves ``last.ckpt`` naming
+    step 1's complete checkpoint; ``ckpt_path="last"`` resumes from it and trains what one process trains; the next
+    save removes the torn attempt; the checkpoint exports as a Llama that transformers loads to the same logits."""
+    from lightning_hydra.errors import ConfigError, RankDiedError
+    from lightning_hydra.strategy.checkpoint import check_complete
+
+    ref, ref_model = reference
+    folder = tmp_path / "ckpt"
+
+    def saves() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=str(folder), every_n_train_steps=1, save_last=True, save_top_k=0)
+
+    killed = _strategy("zero2", 128)
+    killed.__class__ = _KillMidSave
+    trainer = quiet_trainer(4, killed, callbacks=[saves()], max_steps=3, enable_checkpointing=True)
+    with pytest.raises(RankDiedError, match=r"rank 1 .*SIGKILL"):
+        trainer.fit(make_model(), HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
+    last = folder / "last.ckpt"
+    check_complete(last)  # whole: the previous save's
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 1
+    torn = [p for p in folder.glob(".last.ckpt.*") if p.resolve() != last.resolve()]
+    assert torn and not (torn[0] / ".metadata").exists()  # the interrupted save's shards, never named
+
+    model = make_model()
+    resumed = _fit(tmp_path, "resumed", model, 4, 3, _strategy("zero2", 128), ckpt="last", callbacks=[saves()])
+    for rank in resumed:
+        assert rank["losses"] == pytest.approx(ref["losses"][1:], rel=1e-5)  # steps 2 and 3
+        assert_params(rank, ref_model, rtol=1e-6, atol=1e-6)
+    assert [p.name for p in folder.iterdir() if not p.is_symlink()] == [last.resolve().name]  # torn attempt gone
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 3
+    assert_exports_as_llama(last, tmp_path / "hf", model, ref_model)
+    copy = tmp_path / "copy.ckpt"  # a copy cut short: refused in one line before any rank starts
+    shutil.copytree(last, copy)
+    (copy / "__1_0.distcp").unlink()
+    with pytest.raises(ConfigError, match=r"copy.ckpt is torn \(.*\): shard __1_0.distcp is missing$"):
+        quiet_trainer(4, _strategy("zero2", 128)).fit(make_model(), ckpt_path=str(copy))
 
 
 class _Counting(CPContext):

@@ -252,6 +252,34 @@ def test_resume_continues_with_the_same_batches(tmp_path: Path) -> None:
         for a, b in zip(first + rest, full, strict=True):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert len({r["epoch"] for r in full}) > 1  # the run crosses an epoch boundary
+    _assert_replica_exports(Path(ckpt), tmp_path)
+
+
+def _assert_replica_exports(ckpt: Path, tmp: Path) -> None:
+    """A replica pool's single-file checkpoint exports (bf16 by default, one ``model.safetensors``) as a Llama whose
+    logits are the checkpointed module's; a target that exists and is not empty is refused in one line unless
+    ``--overwrite``."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_hydra.cli import main
+    from lightning_hydra.cp import CPContext
+
+    saved = make_model("sgd")
+    saved.load_state_dict(torch.load(ckpt, weights_only=False)["state_dict"])
+    out = tmp / "hf"
+    out.mkdir()
+    (out / "note.txt").write_text("not empty")
+    assert main(["export", str(ckpt), str(out)]) == 1  # one line, nothing written
+    assert (out / "note.txt").exists() and not (out / "config.json").exists()
+    assert main(["export", str(ckpt), str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 258, (40,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), saved.local_cp.use(CPContext.local_group(), [0, 40]):
+        mine = saved(ids, torch.arange(40))
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(theirs, mine, rtol=0.05, atol=0.02)  # the weights rounded to bf16
 
 
 def test_cost_model_before_setup_has_the_node_size_the_pool_will_give_it() -> None:

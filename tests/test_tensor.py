@@ -4,11 +4,13 @@ parameters as one process; bad TP settings stop before launch with one line."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
 from lightning_hydra.cp import CPContext
@@ -26,11 +28,18 @@ from lightning_hydra.strategy.prelaunch import preflight
 from lightning_hydra.strategy.recorder import RecordCollectives, recorded_runs
 from lightning_hydra.strategy.tensor import check_tensor_parallel, parallelize, tensor_mesh
 from lightning_hydra.testing import quiet_trainer, run_world
-from tests.test_sharding import make_dataset, make_model  # the sharding tests' data and model (SGD, clipping)
+from tests.test_sharding import assert_exports_as_llama, make_dataset, make_model  # their data and model (SGD, clip)
+
+VIEW_WARNING = "returned a view tensor"
+"""FSDP2's warning about a ``fully_shard``-ed module's output that is a view ("... wrong gradients")."""
+
+CAPTURE_CHECK = "Record captures this rank's warnings"
 
 
 class Record(pl.Callback):
-    """Every rank writes its losses, grad norms, idle microbatches and full (gathered) parameters."""
+    """Every rank writes its losses, grad norms, idle microbatches, full (gathered) parameters, and the warnings it
+    issued from set-up on (captured in the rank's own process; the first is :data:`CAPTURE_CHECK`, which shows that
+    capturing works there)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -39,6 +48,18 @@ class Record(pl.Callback):
         self.idle = 0
         self.partial = 0
         self.kinds: list[str] = []
+        self._catching: warnings.catch_warnings | None = None
+
+    def setup(self, trainer, module, stage) -> None:
+        self._catching = warnings.catch_warnings(record=True)
+        self.caught = self._catching.__enter__()
+        warnings.simplefilter("always")  # every copy, not once per place
+        warnings.warn(CAPTURE_CHECK, UserWarning, stacklevel=1)
+
+    def teardown(self, trainer, module, stage) -> None:
+        if self._catching is not None:
+            self._catching.__exit__(None, None, None)
+            self._catching = None
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self.idle += sum(mb.num_tokens == 0 for mb in batch.microbatches)
@@ -65,13 +86,16 @@ class Record(pl.Callback):
         row = {"losses": self.losses, "norms": self.norms, "idle": self.idle, "params": params, "kinds": self.kinds}
         row["types"] = types
         row["partial"] = self.partial
+        row["warnings"] = [str(w.message) for w in self.caught]
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(row))
 
 
-def _fit(tmp: Path, name: str, model: DecoderLM, devices: int, steps: int, strategy=None) -> list[dict]:
+def _fit(
+    tmp: Path, name: str, model: DecoderLM, devices: int, steps: int, strategy=None, saves: list | None = None
+) -> list[dict]:
     out = tmp / f"{name}.json"
-    callbacks = [Record(out), RecordCollectives(tmp / f"{name}.ops")]
-    trainer = quiet_trainer(devices, strategy, callbacks=callbacks, max_steps=steps)
+    callbacks = [Record(out), RecordCollectives(tmp / f"{name}.ops"), *(saves or [])]
+    trainer = quiet_trainer(devices, strategy, callbacks=callbacks, max_steps=steps, enable_checkpointing=bool(saves))
     trainer.fit(model, HydraDataModule(make_dataset(), global_batch_tokens=700, seed=5))
     if devices > 1:  # every rank issued exactly its operation lists (TP's collectives too), and they pass the checker
         recorded_runs(tmp / f"{name}.ops", devices)
@@ -127,12 +151,19 @@ def test_tp2_trains_like_one_process(
         capacity=160 * stages,  # a pool of 1 (two stages) must hold the longest sequence alone
         sequence_parallel=sequence_parallel,
     )
-    ranks = _fit(tmp_path, "tp", model, 4, 3, strategy)
+    saves = [ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)] if stages > 1 else []
+    ranks = _fit(tmp_path, "tp", model, 4, 3, strategy, saves=saves)
+    if saves:  # TP 2 x PP 2's checkpoint exports as a Llama whose logits are the trained module's
+        assert_exports_as_llama(tmp_path / "ckpt" / "last.ckpt", tmp_path / "hf", model, reference_model)
     assert max(ref["norms"]) > 0.2  # clipping changed the update (and stayed exact)
     for rank in ranks:
         assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert rank["norms"] == pytest.approx(ref["norms"], rel=1e-5)
         assert "DTensor" in rank["kinds"]  # the projections really are TP shards
+        # no block returned a view to FSDP2 (sequence parallelism's gather after the last block did, once per
+        # microbatch, under zero2/zero3): the capture works in the rank, and saw no such warning
+        assert rank["warnings"][0] == CAPTURE_CHECK
+        assert not [w for w in rank["warnings"] if VIEW_WARNING in w], rank["warnings"]
     if stages == 1:
         assert sum(r["idle"] for r in ranks) > 0  # some ranks were idle in some microbatch
     # the SP norms' partial gradients were summed over the TP group before clipping (the optimizer's DTensor step
@@ -154,8 +185,9 @@ def test_tp2_trains_like_one_process(
 @pytest.mark.parametrize(
     ("tensor", "kw", "message"),
     [
-        (3, {"world": 6, "ranks_per_node": 4}, r"tensor_parallel=3 does not divide ranks_per_node=4.*\[1, 2, 4\]"),
-        (4, {"world": 6, "ranks_per_node": 8}, r"does not divide the world of 6 ranks; use one of \[1, 2, 3, 6\]"),
+        (3, {"world": 6, "ranks_per_node": 4}, r"tensor_parallel=3 does not divide ranks_per_node=4.*\[1, 2\] on 6"),
+        (4, {"world": 6, "ranks_per_node": 8}, r"does not divide the 6 devices .*; use one of \[1, 2\] with ranks_p"),
+        (3, {"world": None, "ranks_per_node": 8}, r"does not divide ranks_per_node=8: .*; use one of \[1, 2, 4, 8\]$"),
         (4, {"world": 8, "ranks_per_node": 8, "heads": 6}, r"does not divide the model's 6 attention heads"),
         (4, {"world": 8, "ranks_per_node": 8, "heads": 8, "kv_heads": 2}, r"does not divide the model's 2 KV heads"),
         (2, {"world": 8, "ranks_per_node": 8, "heads": 4, "max_ulysses": 4}, r"2 x ulysses_degree=4 exceeds.*<= 2"),
@@ -169,7 +201,7 @@ def test_bad_tensor_parallel_is_one_line(tensor: int, kw: dict, message: str) ->
 
 def test_bad_tensor_parallel_stops_before_launch() -> None:
     strategy = HydraStrategy(tensor_parallel=2, ranks_per_node=4, max_tokens_per_rank=256)
-    strategy.parallel_devices = [torch.device("cpu")] * 6  # 6 ranks on one node of 4: TP 2 divides it
+    strategy.parallel_devices = [torch.device("cpu")] * 8  # 2 nodes of 4 ranks: TP 2 divides them
     model = DecoderLM(hidden_size=48, num_heads=6, num_kv_heads=3)
     with pytest.raises(ConfigError, match="does not divide the model's 3 KV heads"):
         preflight(strategy, model, None)
@@ -177,11 +209,11 @@ def test_bad_tensor_parallel_stops_before_launch() -> None:
         HydraStrategy(tensor_parallel=3, ranks_per_node=4)
 
 
-def _sequence_parallel_gradients(rank: int, world: int, tokens: int, mode: str) -> tuple[float, float, int]:
+def _sequence_parallel_gradients(rank: int, world: int, tokens: int, mode: str) -> tuple[float, float, int, list[bool]]:
     """One forward and backward of a TP ``world`` sequence-parallel decoder against the whole model on ``tokens``
     tokens (``torch.chunk``'s split over the group: uneven, or empty on the last ranks): the loss's relative
-    difference, the gradients' worst one (norm gradients completed by ``sum_partial_gradients``), and how many
-    gradients were partial."""
+    difference, the gradients' worst one (norm gradients completed by ``sum_partial_gradients``), how many
+    gradients were partial, and whether each block's output was a view (what FSDP2 warns of)."""
     from torch.distributed.tensor import DTensor
 
     from lightning_hydra.strategy.tensor_pool import sum_partial_gradients
@@ -194,6 +226,9 @@ def _sequence_parallel_gradients(rank: int, world: int, tokens: int, mode: str) 
 
     whole, split = make(), make()
     parallelize(split, tensor_mesh("cpu", stages=1, pool=1, tensor=world)["tp"], sequence_parallel=True)
+    views: list[bool] = []
+    for block in split.transformer_blocks():  # after parallelize's hooks: what a block returns (and FSDP2 sees)
+        block.register_forward_hook(lambda module, args, out: views.append(out._base is not None))
     ids = torch.randint(0, 250, (tokens,), generator=torch.Generator().manual_seed(1))
     losses = []
     for model in (whole, split):
@@ -208,17 +243,20 @@ def _sequence_parallel_gradients(rank: int, world: int, tokens: int, mode: str) 
         if isinstance(got, DTensor):  # a shard gathered; a replicated (or partial) gradient as this rank holds it
             got = got.full_tensor() if got.placements[0].is_shard() else got.to_local()
         worst = max(worst, float((got - p.grad).norm() / p.grad.norm().clamp_min(1e-30)))
-    return abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-30), worst, partial
+    return abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-30), worst, partial, views
 
 
 @pytest.mark.parametrize(("tokens", "mode"), [(10, "none"), (6, "selective"), (0, "none")])
 def test_sequence_parallel_splits_uneven_token_counts_exactly(tokens: int, mode: str) -> None:
     """TP 4: 10 tokens split 3/3/3/1, 6 tokens 2/2/2/0 (a rank's shard empty), 0 tokens (an idle pass) give the
-    whole model's loss and gradients; the 4 norm weights' gradients are partial sums until summed over the group."""
-    for loss, grads, partial in run_world(4, _sequence_parallel_gradients, tokens, mode):
+    whole model's loss and gradients; the 4 norm weights' gradients are partial sums until summed over the group.
+    No block returns a view: the last one's gathered tokens are a tensor of their own, also where the split was
+    uneven (DTensor trims the gathered padding by a view)."""
+    for loss, grads, partial, views in run_world(4, _sequence_parallel_gradients, tokens, mode):
         assert loss <= 1e-6
         assert grads <= 1e-5
         assert partial == 4  # two norms in each of two blocks
+        assert views == [False, False], views
 
 
 def _memory_model(kind: str) -> torch.nn.Module:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
 from lightning_hydra.errors import check_int, check_number
-from lightning_hydra.models.checkpointing import check_checkpointing_mode
+from lightning_hydra.models.checkpointing import check_checkpointing_mode, checkpoint_keeping_gathers
+from lightning_hydra.models.init import fill_
 from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
 from lightning_hydra.models.stages import keep_stage_layers
@@ -124,7 +129,13 @@ class Block(nn.Module):
     projections and RoPE before attention, recomputed in backward; the CP attention, never recomputed (its output
     and log-sum-exp are kept, so backward communicates once); the output projection, norm and MLP after it,
     recomputed. What a block keeps per token is then its input, q/k/v and the attention's output and LSE, instead of
-    every norm and MLP intermediate.
+    every norm and MLP intermediate. Under tensor parallelism the recompute repeats the norms' all-gathers (sequence
+    parallelism) and o's reduce-scatter or all-reduce.
+
+    With :attr:`keep_tp` as well (``DecoderLM(selective_checkpointing="block_tp")``) and the block split by TP, the
+    recompute repeats no TP collective: o and its collective run once, outside the recomputed pieces (the residual
+    after it is kept: what the MLP's piece starts from), and the norms' gathered outputs are kept
+    (:func:`~lightning_hydra.models.checkpointing.keep_gathers_policy`), ``2 A h + A h / T`` bytes more per token.
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, cp: CPContext, eps: float) -> None:
@@ -135,17 +146,25 @@ class Block(nn.Module):
         self.mlp = SwiGLU(hidden, ffn)
         self.checkpointed = False
         """Recompute norms, projections and MLP in backward (never the attention)."""
+        self.keep_tp = False
+        """Under TP, keep what the recompute would communicate for (see the class docstring)."""
 
     def _before(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.attn.qkv(self.attn_norm(x), cos, sin)
 
     def _after(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn.o_proj(attended)
+        return self._mlp(x + self.attn.o_proj(attended))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not (self.checkpointed and torch.is_grad_enabled()):
             return self._after(x, self.attn.core(*self._before(x, cos, sin)))
+        if self.keep_tp and isinstance(self.attn.o_proj.weight, DTensor):  # split by TP
+            q, k, v = checkpoint_keeping_gathers(self._before, x, cos, sin)
+            x = x + self.attn.o_proj(self.attn.core(q, k, v))  # o's collective runs once
+            return checkpoint_keeping_gathers(self._mlp, x)
         q, k, v = checkpoint(self._before, x, cos, sin, use_reentrant=False)
         attended = self.attn.core(q, k, v)
         return checkpoint(self._after, x, attended, use_reentrant=False)
@@ -159,7 +178,10 @@ class DecoderLM(HydraModule):
     :class:`~lightning_hydra.HydraStrategy`.
     """
 
-    selective_checkpointing = "block"  # Block recomputes its norms with q/k/v and the MLP
+    selective_checkpointing = "block"
+    """What selective checkpointing recomputes (the memory model's ``ModelMemoryShape.selective``): ``"block"``, a
+    block's norms with q/k/v and the MLP (see :class:`Block`); ``"block_tp"``, the same, keeping under TP what the
+    recompute would communicate for (set by the constructor's ``selective_checkpointing``)."""
 
     def __init__(
         self,
@@ -178,6 +200,8 @@ class DecoderLM(HydraModule):
         max_grad_norm: float | None = 1.0,
         optimizer: str = "adamw",
         flops_per_second: float | None = None,
+        selective_checkpointing: str = "block",
+        init_device: str | None = None,
     ) -> None:
         """Build the decoder.
 
@@ -198,6 +222,15 @@ class DecoderLM(HydraModule):
             optimizer: ``"adamw"`` or ``"sgd"``.
             flops_per_second: Achieved FLOP rate assumed by the default cost model (``None``: the device's, see
                 :func:`~lightning_hydra.models.module.device_rates`).
+            selective_checkpointing: Under ``activation_checkpointing="selective"``: ``"block"`` recomputes a block's
+                norms with q/k/v, o and the MLP, which under tensor parallelism repeats the norms' all-gathers and
+                o's reduce-scatter (or all-reduce); ``"block_tp"`` repeats no TP collective, keeping ``2 A h + A h /
+                T`` bytes more per token and block under sequence parallelism (see :class:`Block`). Without TP both
+                are the same.
+            init_device: ``"meta"``: build without memory; :class:`~lightning_hydra.HydraStrategy` lays the model
+                out, allocates each rank's shards and initialises them to exactly what a construction without it
+                gives (:meth:`init_weights`), so no rank ever holds the whole model (``None``: built and initialised
+                here, on the default device).
         """
         super().__init__(
             lr=lr,
@@ -216,22 +249,46 @@ class DecoderLM(HydraModule):
         check_number("rope_theta", rope_theta, low=0.0, low_open=True)
         check_number("norm_eps", norm_eps, low=0.0, low_open=True)
         check_number("init_std", init_std, low=0.0)
+        if selective_checkpointing not in ("block", "block_tp"):
+            raise ValueError(f"selective_checkpointing must be 'block' or 'block_tp', got {selective_checkpointing!r}")
+        self.selective_checkpointing = selective_checkpointing
         self.save_hyperparameters()
         ffn = ffn_hidden_size or 64 * -(-(8 * hidden_size // 3) // 64)
         self.ffn_hidden_size = ffn
-        self.embed = nn.Embedding(vocab_size, hidden_size)
-        self.layers = nn.ModuleList(
-            Block(hidden_size, num_heads, num_kv_heads, ffn, self.local_cp, norm_eps) for _ in range(num_layers)
-        )
-        self.norm = RMSNorm(hidden_size, norm_eps)
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        if init_device not in (None, "meta"):
+            raise ValueError(f"init_device must be None or 'meta', got {init_device!r}")
+        with torch.device("meta") if init_device == "meta" else nullcontext():
+            self.embed = nn.Embedding(vocab_size, hidden_size)
+            self.layers = nn.ModuleList(
+                Block(hidden_size, num_heads, num_kv_heads, ffn, self.local_cp, norm_eps) for _ in range(num_layers)
+            )
+            self.norm = RMSNorm(hidden_size, norm_eps)
+            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         self.rope = RotaryEmbedding(hidden_size // num_heads, rope_theta)
-        self.apply(lambda m: self._init(m, init_std))
+        if init_device is None:
+            self.init_weights()
 
-    @staticmethod
-    def _init(module: nn.Module, std: float) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=std)
+    @override
+    def init_weights(self) -> None:
+        """Every weight from its own generator (:mod:`lightning_hydra.models.init`): projections and the
+        embedding ``N(0, init_std)``, norms ones; shard by shard after a layout. Drawn in float32, then cast."""
+        std = float(self.hparams.init_std)
+
+        def normal(t: torch.Tensor, generator: torch.Generator) -> None:
+            t.copy_(torch.empty(t.shape, dtype=torch.float32, device=t.device).normal_(0.0, std, generator=generator))
+
+        def ones(t: torch.Tensor, generator: torch.Generator) -> None:
+            t.fill_(1.0)
+
+        for module_name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                draw = ones
+            elif isinstance(module, nn.Linear | nn.Embedding):
+                draw = normal
+            else:
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                fill_(param, self.init_seed, f"{module_name}.{name}", draw)
 
     @override
     def forward(
@@ -274,6 +331,7 @@ class DecoderLM(HydraModule):
         blocks = self.transformer_blocks()
         for layer in blocks:
             layer.checkpointed = mode == "selective"
+            layer.keep_tp = self.selective_checkpointing == "block_tp"
         return len(blocks) if mode == "selective" else 0
 
     @override
@@ -294,6 +352,45 @@ class DecoderLM(HydraModule):
     @override
     def attention_heads(self) -> tuple[int | None, int | None]:
         return self.hparams.num_heads, self.hparams.num_kv_heads
+
+    EXPORT_MAX_POSITIONS = 131072
+    """``max_position_embeddings`` of the exported config (the decoder has no limit of its own; with the default
+    RoPE transformers computes nothing from it)."""
+
+    @override
+    def export_spec(self) -> dict[str, Any]:
+        """A ``LlamaForCausalLM``: the architecture this decoder computes exactly (RMSNorm in float32, RoPE with
+        ``rotate_half`` on true positions, GQA, SwiGLU, an untied head; checked by ``tests/test_sharding.py``)."""
+        h = self.hparams
+        config = {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": h.vocab_size,
+            "hidden_size": h.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_hidden_layers": h.num_layers,
+            "num_attention_heads": h.num_heads,
+            "num_key_value_heads": h.num_kv_heads,
+            "head_dim": h.hidden_size // h.num_heads,
+            "rms_norm_eps": h.norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(h.rope_theta)},
+            "max_position_embeddings": self.EXPORT_MAX_POSITIONS,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "hidden_act": "silu",
+            "initializer_range": h.init_std,
+        }
+        layer = r"^layers\.(\d+)\."
+        rename = [
+            [r"^embed\.", "model.embed_tokens."],
+            [layer + r"attn_norm\.", r"model.layers.\1.input_layernorm."],
+            [layer + r"attn\.", r"model.layers.\1.self_attn."],
+            [layer + r"mlp_norm\.", r"model.layers.\1.post_attention_layernorm."],
+            [layer + r"mlp\.(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."],
+            [r"^norm\.", "model.norm."],
+        ]
+        return {"config": config, "rename": rename, "generation_config": None, "source": None}
 
     @override
     def model_shape(self) -> dict[str, int | None]:

@@ -28,6 +28,7 @@ from lightning_hydra.models.checkpointing import (
     largest_module_list,
     remove_selective_checkpointing,
 )
+from lightning_hydra.models.init import draw_seed
 from lightning_hydra.planner import CostModel, Group
 from lightning_hydra.planner.devices import CPU_RATES, DeviceRates, bytes_per_element, rates_for
 from lightning_hydra.schedule import ZERO_TOKEN_TOKENS
@@ -111,6 +112,9 @@ class HydraModule(pl.LightningModule):
         max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, none=True)  # 0 and None: no clipping
         flops_per_second = check_number("flops_per_second", flops_per_second, low=0.0, low_open=True, none=True)
         super().__init__()
+        self.init_seed = draw_seed()
+        """The seed of every parameter's own generator (:mod:`lightning_hydra.models.init`): one draw from the global
+        CPU generator, before any submodule is built."""
         self.automatic_optimization = False
         self.lr = lr
         self.weight_decay = weight_decay
@@ -178,6 +182,47 @@ class HydraModule(pl.LightningModule):
         split weight)."""
         head = getattr(self, "lm_head", None)
         return head if isinstance(head, nn.Linear) else None
+
+    def init_weights(self) -> None:
+        """Initialise every parameter from its own generator (:func:`~lightning_hydra.models.init.fill_`), shard by
+        shard when the model is laid out: the values one process's construction gives. Models that can be built on
+        the meta device implement it (the reference decoder does)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot initialise itself shard by shard: build it on a real device, or "
+            "implement init_weights()"
+        )
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate a model built on the meta device (laid out or not) on ``device`` and fill it: ``to_empty``, then
+        :meth:`init_weights` (a pretrained model loads its weights instead). :class:`~lightning_hydra.HydraStrategy`
+        calls it after laying the model out; in one process, Lightning's ``configure_model`` or the caller does."""
+        self.to_empty(device=device)
+        self.init_weights()
+
+    @override
+    def configure_model(self) -> None:
+        """A model built on the meta device, trained without :class:`~lightning_hydra.HydraStrategy`, is
+        materialised whole on the strategy's device (HydraStrategy lays it out first and materialises it itself)."""
+        from lightning_hydra.models.init import is_meta
+        from lightning_hydra.strategy import HydraStrategy
+
+        strategy = self.trainer.strategy
+        if is_meta(self) and not isinstance(strategy, HydraStrategy):
+            self.materialize(strategy.root_device)
+
+    def export_spec(self) -> dict[str, Any] | str:
+        """What ``lightning-hydra export`` needs to write this model as a Hugging Face directory (saved in every
+        checkpoint, see :data:`lightning_hydra.export.EXPORT_KEY`): ``config`` (a ``transformers`` config dict with
+        ``model_type``), ``rename`` (``[pattern, replacement]`` regular expressions, applied in order, from this
+        module's parameter names to the Hugging Face ones), ``generation_config`` and ``source`` (the pretrained
+        directory whose tokenizer to copy); or one line saying why it cannot be exported (this default)."""
+        return f"{type(self).__name__} does not say which Hugging Face architecture it is (no export_spec())"
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from lightning_hydra.export import EXPORT_KEY
+
+        checkpoint[EXPORT_KEY] = self.export_spec()
 
     def set_activation_checkpointing(self, mode: str) -> int:
         """Turn selective activation checkpointing on (``"selective"``) or off (``"none"``); returns how many units

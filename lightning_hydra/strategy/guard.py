@@ -200,6 +200,9 @@ class RunGuard(Callback):
             self._saving.set()
             try:
                 trainer.save_checkpoint(self.checkpoint_path)  # every rank: the strategy writes on rank 0
+                wait = getattr(strategy, "wait_for_checkpoint", None)
+                if callable(wait):  # an asynchronous save is written before the process exits
+                    wait()
             finally:
                 self._saving.clear()
             where = f"; checkpoint {self.checkpoint_path} (resume with --ckpt_path {self.checkpoint_path})"

@@ -6,6 +6,7 @@ import logging
 import shutil
 from contextlib import nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -36,6 +37,7 @@ from lightning_hydra.cp import CPContext, apply_cp, remove_cp
 from lightning_hydra.cp.kernels import KERNEL_NAMES
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.models.checkpointing import check_checkpointing_mode
+from lightning_hydra.models.init import is_meta
 from lightning_hydra.planner import POLICIES, CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
 from lightning_hydra.planner.devices import rates_for
@@ -43,14 +45,17 @@ from lightning_hydra.planner.memory import MemoryBreakdown, parse_bytes
 from lightning_hydra.schedule import save_program
 from lightning_hydra.strategy.capacity import configure_cuda_allocator, device_budget, pool_memory
 from lightning_hydra.strategy.checkpoint import (
+    CheckpointSaver,
+    check_complete,
     full_state_dict,
     is_sharded_checkpoint,
     load_full_checkpoint,
     load_sharded_checkpoint,
-    save_sharded_checkpoint,
+    new_token,
 )
-from lightning_hydra.strategy.checks import check_arguments, check_fits, check_heads, check_pool
+from lightning_hydra.strategy.checks import check_arguments, check_fits, check_heads
 from lightning_hydra.strategy.guard import RunGuard
+from lightning_hydra.strategy.layout import RunLayout, check_layout, check_pool, sharding_layout
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.pool import PoolRuntime
 from lightning_hydra.strategy.prelaunch import CheckedSubprocessLauncher, SpawnLauncher
@@ -106,6 +111,7 @@ class HydraStrategy(ParallelStrategy):
         pipeline_stages: int = 1,
         tensor_parallel: int = 1,
         sequence_parallel: bool | None = None,
+        async_checkpoint: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -161,6 +167,12 @@ class HydraStrategy(ParallelStrategy):
                 ``tensor_parallel > 1`` for blocks it can split, off (with a message) for a Hugging Face layer with
                 norms besides its two pre-norms (Gemma's sandwich norms); ``True`` refuses such a layer before
                 launch; ignored at ``tensor_parallel=1``.
+            async_checkpoint: Write checkpoints in the background: a save blocks the step only while the state is
+                copied to host memory, the write overlaps the next steps, a second save waits for the first, and the
+                end of ``fit`` and SIGTERM wait for the write (see
+                :class:`~lightning_hydra.strategy.checkpoint.CheckpointSaver`). Lightning's ``AsyncCheckpointIO``
+                plugin as ``checkpoint_io`` turns it on too. Every save, either way, is atomic: the checkpoint's name
+                is published once all of it is written.
             accelerator: The accelerator (set by the Trainer).
             parallel_devices: Devices of this node's ranks (set by the Trainer).
             cluster_environment: Where ranks, world size and the main address come from (set by the Trainer).
@@ -205,10 +217,15 @@ class HydraStrategy(ParallelStrategy):
             _positive_int("max_tokens_per_rank (or 'auto')", max_tokens_per_rank)
         self.pipeline_stages = _positive_int("pipeline_stages", pipeline_stages)
         self.tensor_parallel = _positive_int("tensor_parallel", tensor_parallel)
-        check_tensor_parallel(self.tensor_parallel, world=self.tensor_parallel, ranks_per_node=ranks_per_node)
+        check_tensor_parallel(self.tensor_parallel, world=None, ranks_per_node=ranks_per_node)
         if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
         self._sequence_parallel_asked = sequence_parallel
+        if sequence_parallel and self.tensor_parallel == 1:
+            rank_zero_info(
+                "HydraStrategy: sequence_parallel=True is ignored at tensor_parallel=1 (it splits tokens over a TP "
+                "group; set tensor_parallel > 1 to use it)"
+            )
         self.sequence_parallel = self.tensor_parallel > 1 and sequence_parallel is not False
         """Whether the TP blocks run sequence-parallel norms (``sequence_parallel`` resolved against ``T``, and against
         the model's blocks by :meth:`resolve_sequence_parallel`)."""
@@ -243,6 +260,14 @@ class HydraStrategy(ParallelStrategy):
         self._staged = False
         self._parallelized = False
         self._restored_cost: CostModel | None = None
+        if not isinstance(async_checkpoint, bool):
+            raise ValueError(f"async_checkpoint must be True or False, got {async_checkpoint!r}")
+        self.checkpoints = CheckpointSaver(asynchronous=async_checkpoint)
+        """How checkpoints are written (atomically; in the background with ``async_checkpoint``)."""
+        self.startup_memory: dict[str, int | None] | None = None
+        """This rank's memory around the materialisation of a model built on the meta device: ``before`` and
+        ``peak`` (bytes: CUDA's allocator, or the process's resident set on CPU) and ``share`` (its parameter
+        shards' bytes); ``None`` for a model built on a real device."""
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -251,6 +276,17 @@ class HydraStrategy(ParallelStrategy):
         if self._calibrate_asked is not None:
             return self._calibrate_asked
         return self.parallel_devices is not None and self.root_device.type == "cuda"
+
+    @property
+    def run_layout(self) -> RunLayout:
+        """Devices = pool (DP x CP) x TP x PP, as Megatron and torchtitan users write it (the devices are known once
+        the Trainer has connected them)."""
+        return RunLayout(
+            self.world_size,
+            self.tensor_parallel,
+            self.pipeline_stages,
+            self.planner_config.ranks_per_node * self.tensor_parallel,
+        )
 
     @property
     def is_distributed(self) -> bool:
@@ -325,10 +361,28 @@ class HydraStrategy(ParallelStrategy):
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         tensor = self.tensor_parallel
-        check_tensor_parallel(tensor, world=self.world_size, ranks_per_node=self.planner_config.ranks_per_node * tensor)
+        check_layout(
+            self.world_size,
+            tensor=tensor,
+            stages=self.pipeline_stages,
+            ranks_per_node=self.planner_config.ranks_per_node * tensor,
+        )
         self.layout = PipelineLayout.of_world(self.world_size // tensor, self.pipeline_stages)
         check_pool(self.layout.pool, self.planner_config.ranks_per_node)
         self._setup_runtime()
+        self._setup_checkpoints()
+
+    def _setup_checkpoints(self) -> None:
+        """The checkpoint saver's communicator and stager (asynchronous saves; collective)."""
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        if isinstance(self._checkpoint_io, AsyncCheckpointIO):  # Lightning's plugin: our own asynchronous saves
+            self.checkpoints.asynchronous = True
+        if self.checkpoints.setup(self.root_device):
+            rank_zero_info(
+                "HydraStrategy: asynchronous checkpoints (staged to host memory, written in the background on a "
+                "gloo communicator of their own)"
+            )
 
     def resolve_sequence_parallel(self, module: pl.LightningModule) -> bool:
         """Resolve :attr:`sequence_parallel` against ``module``'s blocks (before launch and at set-up, before the
@@ -446,30 +500,67 @@ class HydraStrategy(ParallelStrategy):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
+        deferred = is_meta(self.model)  # built on the meta device: laid out first, then allocated shard by shard
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        sync_module_states(self.model, self.root_device)
+        if not deferred:
+            self.model_to_device()
+            sync_module_states(self.model, self.root_device)
         if self.pipeline_stages > 1 and self.runtime is not None and not self._staged:
             split = getattr(self.model, "pipeline_stage", None)
             if not callable(split):
                 raise TypeError(f"{type(self.model).__name__} cannot be split into stages: subclass HydraModule")
             split(self.runtime.stage, self.pipeline_stages)
             self._staged = True
-            rank_zero_info(f"HydraStrategy: {self.pipeline_stages} pipeline stages of {self.runtime.world_size} ranks")
+            rank_zero_info(
+                f"HydraStrategy: {self.pipeline_stages} pipeline stages, each a pool of {self.runtime.world_size} "
+                f"{'positions' if self.tensor_parallel > 1 else 'ranks'} ({self.run_layout.describe()})"
+            )
         if isinstance(self.runtime, TensorPoolRuntime) and not self._parallelized:
             assert self.runtime.mesh is not None
             blocks = parallelize(self.model, self.runtime.mesh["tp"], sequence_parallel=self.sequence_parallel)
             self._parallelized = True  # the model is split once, whatever fits follow
             rank_zero_info(
-                f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks"
-                + (", sequence-parallel norms" if self.sequence_parallel else "")
+                f"HydraStrategy: tensor parallelism {self.tensor_parallel} over {blocks} blocks "
+                f"({self.run_layout.describe()})" + (", sequence-parallel norms" if self.sequence_parallel else "")
             )
         self._setup_memory(self.model)
+        if deferred:
+            self._materialize(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _materialize(self, model: nn.Module) -> None:
+        """Allocate a model built on the meta device, laid out already (stage, TP, FSDP2), on this rank's device and
+        fill its shards (:meth:`HydraModule.materialize <lightning_hydra.HydraModule.materialize>`: a random
+        initialisation equal to one process's, or pretrained weights read slice by slice); no rank holds the whole
+        model and nothing is broadcast. Says each rank's peak memory during it (the largest, over the ranks)."""
+        from lightning_hydra.models.init import peak_memory, reset_peak_memory
+        from lightning_hydra.strategy.sharding import state_bytes
+
+        materialize = getattr(model, "materialize", None)
+        if not callable(materialize):
+            raise TypeError(
+                f"{type(model).__name__} is on the meta device and has no materialize(): subclass HydraModule"
+            )
+        device = self.root_device
+        reset_peak_memory(device)
+        before = peak_memory(device) or 0
+        materialize(device)
+        after = peak_memory(device)
+        share = state_bytes(model)["params"]
+        self.startup_memory = {"before": before, "peak": after, "share": share}
+        figures = torch.tensor([(after or 0) - before, share], dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        kind = "device memory" if device.type == "cuda" else "resident host memory"
+        rank_zero_info(
+            f"HydraStrategy: materialised each rank's shards on its device (meta-device build, no broadcast): peak "
+            f"{kind} rose by at most {float(figures[0]) / 2**20:,.1f} MiB on a rank, whose parameter shards take "
+            f"at most {float(figures[1]) / 2**20:,.1f} MiB"
+        )
 
     def _setup_memory(self, model: nn.Module) -> None:
         """Selective activation checkpointing, then FSDP2 sharding over the pool (sharding needs the replicas
@@ -500,7 +591,7 @@ class HydraStrategy(ParallelStrategy):
         mixed = str(getattr(self.precision_plugin, "precision", "")) == "bf16-mixed"
         self.runtime.sharding = shard_model(model, self.sharding, mesh, mixed_precision=mixed)
         rank_zero_info(
-            f"HydraStrategy: {self.sharding} over {self.world_size} ranks, "
+            f"HydraStrategy: {self.sharding} {sharding_layout(self.sharding, mesh, self.run_layout)}, "
             f"{len(self.runtime.sharding.modules)} sharded modules"
             + (", bf16 compute from float32 master weights" if mixed else "")
         )
@@ -613,6 +704,12 @@ class HydraStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        try:
+            self.checkpoints.close()  # the end of a run waits for an asynchronous write to be published
+        finally:
+            self._teardown_rest()
+
+    def _teardown_rest(self) -> None:
         module = self.lightning_module
         if module is not None:
             remove_cp(module)
@@ -650,6 +747,7 @@ class HydraStrategy(ParallelStrategy):
             longest=longest,
             split=split,
             global_batch_tokens=global_batch_tokens,
+            tensor=self.tensor_parallel,
         )
 
     # ------------------------------------------------------------------ what the monitor and users read
@@ -684,27 +782,54 @@ class HydraStrategy(ParallelStrategy):
         return self.runtime.oversubscribed if self.runtime is not None else False
 
     # ------------------------------------------------------------------ checkpoints
+    def _atomic(self, filepath: Any) -> bool:
+        """Whether this strategy writes the checkpoint itself (atomically): a local path, and no checkpoint IO plugin
+        of the user's besides Lightning's default and its ``AsyncCheckpointIO``."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        io = self._checkpoint_io
+        own = io is None or type(io) is TorchCheckpointIO or isinstance(io, AsyncCheckpointIO)
+        return own and _is_local_file_protocol(filepath)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a checkpoint: a replica pool's single file (rank 0) or a sharded directory (every rank), in either
+        case under a hidden name first and published by one rename once complete
+        (:mod:`~lightning_hydra.strategy.checkpoint`); in the background with ``async_checkpoint``."""
         checkpoint["hydra"] = {"cost_model": self.cost_model.to_dict(), "calibrator": self.calibrator.state_dict()}
         if not self.is_sharded:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if not self._atomic(filepath):
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+                return
+            if storage_options is not None:
+                raise TypeError("HydraStrategy writes checkpoints itself: storage_options is not supported")
+            self.checkpoints.save_full(checkpoint, Path(filepath), token=new_token(), rank=self.global_rank)
             return
         if storage_options is not None:
             raise TypeError("HydraStrategy writes sharded checkpoints itself: storage_options is not supported")
         observer = self.runtime.observer if self.runtime is not None else None
         with observer.running(save_program(self.runtime.step_layout())) if observer is not None else nullcontext():
-            save_sharded_checkpoint(checkpoint, self.broadcast(filepath), global_rank=self.global_rank)
+            path, token = self.broadcast((str(filepath), new_token()))  # rank 0's: one save, one hidden name
+            self.checkpoints.save_sharded(checkpoint, Path(path), token=token, rank=self.global_rank)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save is written and published (a no-op otherwise)."""
+        self.checkpoints.wait()
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero and is_sharded_checkpoint(filepath):
+        if self._atomic(filepath):  # the name, and the hidden directory it links to; after a pending write
+            self.checkpoints.remove(Path(filepath), rank=self.global_rank)
+        elif self.is_global_zero and is_sharded_checkpoint(filepath):
             shutil.rmtree(filepath)
         elif not self.is_sharded:
             super().remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.checkpoints.wait()
         if self.is_sharded:
             path = self.broadcast(checkpoint_path)
             assert self.model is not None
@@ -712,6 +837,7 @@ class HydraStrategy(ParallelStrategy):
         elif is_sharded_checkpoint(checkpoint_path):  # a sharded or TP pool's directory into a replica pool
             checkpoint = load_full_checkpoint(checkpoint_path)
         else:
+            check_complete(checkpoint_path)
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get("hydra")
         if saved is not None and self.calibrate:
