@@ -22,11 +22,17 @@ Three checks:
    :class:`~lightning_hydra.HydraStrategy`'s real step: CP groups of one, the device-timed communication clock
    (CUDA events on GPU) feeding the step's rows, FSDP2 ``fully_shard`` on a one-rank mesh (``zero2``), a sharded
    checkpoint saved and resumed, and one all-reduce timed by the clock.
-4. ``summary``: one JSON object on the last line; the exit status is non-zero if any check failed.
+4. Measurements for a GPU window (``scripts/gpu_measure.py``, whose docstring states each bound and why):
+   ``flash_vs_aten`` (the ``flash`` and ``torch`` kernels on the same bins: outputs, gradients, time; skipped
+   without CUDA or flash-attn), ``engine_vs_varlen`` (the engine at degree 1 against one varlen call on the whole
+   bin: time ratio), and with the world checks ``peak_memory`` (a training step's peak against
+   ``memory_breakdown()``'s prediction) and ``comm_profile`` (the CommClock against ``torch.profiler``).
+5. ``summary``: one JSON object on the last line; the exit status is non-zero if any check failed.
 
 ``--dry-run`` prints the line of every check it would run (``"dry_run": true``) and the summary, running none.
 **Not run on a GPU yet** (none was available to this project): on CPU the test suite runs every check (the world
-checks over gloo); the CUDA paths wait for a device. Multi-GPU checks: ``scripts/multi_gpu_check.py``.
+checks over gloo; ``flash_vs_aten`` through stand-ins of the CUDA ops); the CUDA paths wait for a device. Multi-GPU
+checks: ``scripts/multi_gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -368,13 +374,21 @@ def world_checks(device: torch.device, kernel: str, quick: bool) -> list[dict]:
     return rows
 
 
+ENGINE_CHECKS = ("flash_vs_aten", "engine_vs_varlen")
+"""The kernel measurements (``gpu_measure.engine_checks``), after the ring checks."""
+WORLD_MEASURES = ("peak_memory", "comm_profile")
+"""The one-rank world's measurements (``gpu_measure.world_measures``), after the world checks."""
+
+
 def planned_checks(world: bool) -> list[dict]:
     """Every check a run would make, in order (what ``--dry-run`` prints)."""
     rows = [{"check": "train_step"}]
     for ring, causal, (heads, kv_heads) in itertools.product((1, 2, 4), (True, False), ((8, 8), (8, 2))):
         rows.append({"check": "ring", "ring": ring, "causal": causal, "heads": heads, "kv_heads": kv_heads})
+    rows += [{"check": name} for name in ENGINE_CHECKS]
     if world:
         rows += [{"check": "world_step"}, {"check": "comm_clock"}, {"check": "world_zero2_checkpoint"}]
+        rows += [{"check": name} for name in WORLD_MEASURES]
     return rows
 
 
@@ -407,9 +421,18 @@ def main(argv: list[str] | None = None) -> int:
     rings = ring_checks(device, kernel, dtype, **quick)
     for row in rings:
         print(json.dumps({"check": "ring"} | row), flush=True)
+    import gpu_measure  # beside this script; it imports this one
+
+    measures = gpu_measure.engine_checks(device, args.kernel, dtype, args.quick)
+    for row in measures:
+        print(json.dumps(row), flush=True)
     worlds = world_checks(device, args.kernel, args.quick) if world else []
     for row in worlds:
         print(json.dumps(row), flush=True)
+    world_measures = gpu_measure.world_measures(device, args.kernel, args.quick) if world else []
+    for row in world_measures:
+        print(json.dumps(row), flush=True)
+    measures += world_measures
     summary = {
         "summary": True,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -421,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         "ring_ok": all(r["ok"] for r in rings),
         "worst_ring_error": max(max(r["errors"].values()) for r in rings),
         "world_ok": all(r["ok"] for r in worlds) if world else None,
-        "ok": train["ok"] and all(r["ok"] for r in rings + worlds),
+        "measure_ok": all(r["ok"] for r in measures),
+        "skipped": [r["check"] for r in measures if "skipped" in r],
+        "ok": train["ok"] and all(r["ok"] for r in rings + worlds + measures),
     }
     print(json.dumps(summary), flush=True)
     return 0 if summary["ok"] else 1

@@ -5,8 +5,8 @@
     torchrun --standalone --nproc-per-node=8 scripts/multi_gpu_check.py --checks pipeline_hydra,zero2_idle_first
     python scripts/multi_gpu_check.py --dry-run                                        # list, run none
 
-**Not run on a GPU yet** (none was available to this project), the checks 3 and 9-11 and the deadlines included.
-Over gloo on CPU the test suite runs checks 3 and 9-11 at 4 ranks and a hung check's deadline at 2
+**Not run on a GPU yet** (none was available to this project), the checks 3 and 9-12 and the deadlines included.
+Over gloo on CPU the test suite runs checks 3 and 9-12 at 4 ranks and a hung check's deadline at 2
 (``tests/test_gpu_check_script.py``); every check passed by hand at 4 and 8 ranks, and at 2 but for the recorded
 calls of ``tp2`` and ``tp2_hsdp`` (TP 2 x a pool of 1: the runtime sums the loss on a one-rank group its list leaves
 out). One of six 8-rank runs with ``pipeline_hydra`` hung in it (ranks 0-2 in backward of microbatch 0 on
@@ -49,6 +49,11 @@ Checks (one JSON line each from rank 0 as it ends, with its ``seconds``, then a 
 11. ``bf16_none``: ``bf16-mixed`` without FSDP and without TP (``sharding="none"``, a pool of the world; the model
     and data of 9 at 128 tokens a rank, so CP groups of several ranks) against a one-process ``bf16-mixed`` run,
     within bf16's precision: the run whose float32 q and k beside a bf16 v crashed the attention kernels.
+12. ``comm_profile``: the CP engine's :class:`~lightning_hydra.cp.groups.CommClock` against ``torch.profiler`` on
+    every rank, over one forward and backward of the bin of 1 (on CUDA each length 8 times) through every rank as
+    Ulysses (all-to-alls: ``0.8 * profiler <= clock <= 1.1 * profiler + slack``) and as a ring (the upper bound;
+    ``exposed``: the share of the ring's transfer time the clock saw as waits); ``scripts/gpu_measure.py`` says why
+    (check 4 there). Passed by hand over gloo at 2, 4 and 8 ranks.
 
 The training checks (5-11) run ``bf16-true`` on CUDA (``tp2``, ``tp2_hsdp``, ``bf16_none``: ``bf16-mixed``) and
 float32 on CPU (``bf16_none``: ``bf16-mixed`` under CPU autocast), bound 1e-5 in float32 and 5e-2 in bf16. Each
@@ -98,6 +103,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from gpu_check import BF16_BOUND, reference_attention, relative_error  # beside this script
+from gpu_measure import comm_profile_row
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_hydra import DecoderLM, HydraDataModule, HydraStrategy
@@ -127,7 +133,7 @@ DATA_LENGTHS = [230, 7, 95, 64, 3, 180, 41, 120, 12, 77, 200, 33, 150, 9, 60, 11
 """The training checks' documents (``pipeline``, ``zero2``, ``tp2``, ``tp2_hsdp``)."""
 CHECKS = (
     "ring", "all_to_all", "nested_gqa", "tp2_vocab_loss", "pipeline", "zero2", "tp2", "tp2_hsdp", "pipeline_hydra",
-    "zero2_idle_first", "bf16_none",
+    "zero2_idle_first", "bf16_none", "comm_profile",
 )  # fmt: skip
 TRAINING = ("pipeline", "zero2", "tp2", "tp2_hsdp", "pipeline_hydra", "zero2_idle_first", "bf16_none")
 """The checks that train under Lightning (on the process group the others ran on)."""
@@ -641,6 +647,9 @@ def run_check(name: str, run: Run, expected: dict | None) -> dict:
         return nested_check(run.rank, run.world, run.device)
     if name == "tp2_vocab_loss":
         return vocab_check(run.world, run.device)
+    if name == "comm_profile":
+        scale = 8 if run.device.type == "cuda" else 1
+        return comm_profile_row(run.rank, run.world, run.device, [n * scale for n in LENGTHS])
     return training_check(name, run, expected)
 
 
