@@ -67,18 +67,20 @@ from lightning_hydra.planner.calibration import CostCalibrator, plan_features, p
 from lightning_hydra.planner.hydra import candidate_plans
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
 from lightning_hydra.sim.ceiling import efficiency_ceiling
-from lightning_hydra.sim.family import DEVICE_TRUTHS, RANDOM_PREFIX, TRUTHS, truth
+from lightning_hydra.sim.family import DEAR_TRUTHS, DEVICE_TRUTHS, RANDOM_PREFIX, TRUTHS, truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 from lightning_hydra.sim.truth import plan_times, useful_time
 from lightning_hydra.sim.waiting import CAUSES, waiting
 
 __all__ = [
+    "CEILING_TARGET",
     "EFFICIENCY_TARGET",
     "LLAMA_1B",
     "LLAMA_70B",
     "LLAMA_8B",
     "MODELS",
     "RATIO_TARGETS",
+    "ROOM",
     "analytic_cost",
     "breakdown",
     "efficiency",
@@ -90,6 +92,12 @@ __all__ = [
 EFFICIENCY_TARGET = 0.93
 """The efficiency the summary counts cells against (the planner's target at 512 ranks, 32K and 256K; 0.90 before
 issue 46 asked for 0.93)."""
+CEILING_TARGET = 0.96
+"""Share of its cell's ceiling (:mod:`lightning_hydra.sim.ceiling`) the calibrated hydra aims at in every cell
+(issue 58: the target in the truths' own terms, where :data:`EFFICIENCY_TARGET` lies above what some truths allow)."""
+ROOM = 0.94
+"""Share of the ceiling below which mcore leaves room to win: there the calibrated hydra aims at
+:data:`RATIO_TARGETS` over mcore (issue 58); above it, at no cell below mcore."""
 RATIO_TARGETS = {"256K": 1.03, "32K": 1.03}
 """Calibrated hydra / mcore the summary counts cells against, per context (the planner's targets; 32K's was 1.00
 before issue 46 asked for 1.03 there too)."""
@@ -121,20 +129,26 @@ def efficiency(plan: Plan, hardware: Hardware, model: ModelShape = LLAMA_8B) -> 
 def breakdown(
     plan: Plan, hardware: Hardware, model: ModelShape, cost: CostModel, capacity: int | None = None
 ) -> dict[str, float]:
-    """Shares of ``plan``'s step under the truth ``hardware``: useful work and every cause of
+    """Shares of ``plan``'s step under the truth ``hardware``: useful work, every cause of
     :data:`~lightning_hydra.sim.waiting.CAUSES` (``model_unseen`` against ``cost``'s predicted times,
-    ``no_token_room`` at ``capacity`` tokens per rank)."""
+    ``no_token_room`` at ``capacity`` tokens per rank, ``communication`` against the truth's times without
+    communication) and ``waiting``, the three causes of waiting together."""
     times, _ = plan_times(plan, model=model, hardware=hardware, layers=model.num_layers, head_share=1.0)
+    quiet, _ = plan_times(
+        plan, model=model, hardware=hardware, layers=model.num_layers, head_share=1.0, include_comm=False
+    )
     useful = useful_time(
         np.asarray(plan.lengths), model=model, hardware=hardware, layers=model.num_layers, head_share=1.0
     )
     predicted = predict(cost, plan_features(plan, cost), includes_comm=True)
-    return waiting(plan, times, useful, predicted, capacity).shares()
+    shares = waiting(plan, times, useful, predicted, capacity, quiet).shares()
+    shares["waiting"] = shares["single_bins"] + shares["cp_groups"] + shares["microbatch_split"]
+    return shares
 
 
 def _mean_shares(rows: list[dict[str, float]]) -> dict[str, float]:
     """The mean of every share over ``rows``, rounded."""
-    return {k: round(statistics.fmean(r[k] for r in rows), 4) for k in ("useful", *CAUSES)}
+    return {k: round(statistics.fmean(r[k] for r in rows), 4) for k in ("useful", *CAUSES, "waiting")}
 
 
 def _plan(
@@ -319,6 +333,7 @@ def run_pool(
             "mcore_waiting": _mean_shares(shares_m),
             "ceiling": round(ceiling, 4),
             "hydra_of_ceiling": round(hydra / ceiling, 4),
+            "mcore_of_ceiling": round(eff["mcore"] / ceiling, 4),
             "loop_steps": [round(e, 4) for e in steps_eff],
             "loop_min_of_ceiling": round(min(e / ceiling_of(b) for e, b in zip(steps_eff, loop, strict=True)), 4)
             if steps_eff
@@ -372,8 +387,42 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_calibrated_waiting": _mean_shares([c["calibrated"]["waiting"] for c in mine]),
             "cells_below_efficiency_target": sum(c["calibrated"]["hydra"] < EFFICIENCY_TARGET for c in mine),
             "cells": len(mine),
+            **_ceiling_counts(mine, RATIO_TARGETS.get(context, 1.0)),
         }
+        dear = [c["calibrated"] for c in mine if c["truth"] in DEAR_TRUTHS]
+        if dear:
+            out[context]["dear_family"] = {
+                "cells": len(dear),
+                **{
+                    f"{who}_{share}": round(statistics.fmean(c[key][share] for c in dear), 4)
+                    for who, key in (("hydra", "waiting"), ("mcore", "mcore_waiting"))
+                    for share in ("waiting", "communication")
+                },
+                "cells_waiting_at_most_half_of_mcores": sum(
+                    c["waiting"]["waiting"] <= 0.5 * c["mcore_waiting"]["waiting"] for c in dear
+                ),
+                "cells_communication_within_a_point_of_mcores": sum(
+                    c["waiting"]["communication"] <= c["mcore_waiting"]["communication"] + 0.01 for c in dear
+                ),
+            }
+    out["targets"] = {"cells": len(cells), **_ceiling_counts(cells, None)}
     return out
+
+
+def _ceiling_counts(cells: list[dict[str, Any]], ratio: float | None) -> dict[str, int]:
+    """The cells against issue 58's targets: hydra at :data:`CEILING_TARGET` of the ceiling or above, the cells where
+    mcore leaves room (below :data:`ROOM` of the ceiling) and of them those where hydra reaches the ratio target over
+    mcore (``ratio``; ``None``: each cell's context's :data:`RATIO_TARGETS`), and the cells below mcore."""
+    room = [c for c in cells if c["calibrated"]["mcore_of_ceiling"] < ROOM]
+    return {
+        "cells_at_ceiling_target": sum(c["calibrated"]["hydra_of_ceiling"] >= CEILING_TARGET for c in cells),
+        "cells_with_room": len(room),
+        "cells_with_room_at_ratio_target": sum(
+            c["calibrated"]["hydra_over_mcore"] >= (RATIO_TARGETS.get(c["context"], 1.0) if ratio is None else ratio)
+            for c in room
+        ),
+        "cells_below_mcore": sum(c["calibrated"]["hydra_over_mcore"] < 1 for c in cells),
+    }
 
 
 def markdown(cells: list[dict[str, Any]]) -> str:
@@ -410,7 +459,7 @@ def markdown(cells: list[dict[str, Any]]) -> str:
         + " |",
         "|---|" + "---|---|---|---|" * len(contexts),
     ]
-    for name in [t for t in (*TRUTHS, *DEVICE_TRUTHS) if any(c["truth"] == t for c in cells)]:
+    for name in [t for t in (*TRUTHS, *DEAR_TRUTHS, *DEVICE_TRUTHS) if any(c["truth"] == t for c in cells)]:
         row = []
         for ctx in contexts:
             mine = [c["calibrated"] for c in cells if c["truth"] == name and c["context"] == ctx]
@@ -425,7 +474,38 @@ def markdown(cells: list[dict[str, Any]]) -> str:
                 f"{min(of):.3f}-{max(of):.3f}",
             ]
         lines.append(f"| {name} | " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"  # fmt: skip
+    return "\n".join([*lines, "", *_ceiling_table(cells)]) + "\n"  # fmt: skip
+
+
+def _ceiling_table(cells: list[dict[str, Any]]) -> list[str]:
+    """The docs' table of issue 58's targets: per pool, context and truth, over the distributions, the ceiling,
+    hydra's and mcore's shares of it and hydra / mcore (lowest to highest), and hydra's and mcore's waiting and
+    communication shares of the step (means)."""
+    lines = [
+        "| pool | context | truth | ceiling | hydra / ceiling | mcore / ceiling | hydra / mcore | hydra waiting | "
+        "hydra comm. | mcore waiting | mcore comm. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = {t: i for i, t in enumerate((*TRUTHS, *DEAR_TRUTHS, *DEVICE_TRUTHS))}
+    keys = sorted(
+        {(c["world_size"], c["context"], c["truth"]) for c in cells},
+        key=lambda k: (k[0], k[1], order.get(k[2], len(order)), k[2]),
+    )
+
+    def span(values: list[float]) -> str:
+        return f"{min(values):.3f}" if min(values) == max(values) else f"{min(values):.3f}-{max(values):.3f}"
+
+    for key in keys:
+        mine = [c["calibrated"] for c in cells if (c["world_size"], c["context"], c["truth"]) == key]
+        row = [span([m[k] for m in mine]) for k in ("ceiling", "hydra_of_ceiling", "mcore_of_ceiling")]
+        row.append(span([m["hydra_over_mcore"] for m in mine]))
+        row += [
+            f"{statistics.fmean(m[who][share] for m in mine):.3f}"
+            for who in ("waiting", "mcore_waiting")
+            for share in ("waiting", "communication")
+        ]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(row) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,7 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
     parser.add_argument("--distributions", nargs="*", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
     parser.add_argument(
-        "--truths", nargs="*", default=list(TRUTHS), choices=[*TRUTHS, *DEVICE_TRUTHS], help="default: the grid's"
+        "--truths",
+        nargs="*",
+        default=[*TRUTHS, *DEAR_TRUTHS],
+        choices=[*TRUTHS, *DEVICE_TRUTHS, *DEAR_TRUTHS],
+        help="default: the grid's and the dear-communication family's",
     )
     parser.add_argument(
         "--random-truths", type=int, default=0, help=f"K drawn truths, {RANDOM_PREFIX}<F> .. {RANDOM_PREFIX}<F+K-1>"

@@ -51,7 +51,7 @@ from lightning_hydra.planner.plan import Group, Plan
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.tables import DegreeSet, Tables
 
-__all__ = ["DENSE_FILL", "REACH", "Formation", "form"]
+__all__ = ["BALANCE_ROUNDS", "BALANCE_TOL", "DENSE_FILL", "REACH", "Formation", "Recipe", "form"]
 
 DENSE_FILL = 0.8
 """Share of the pool's tokens the dense level assumes a microbatch can hold. Aiming higher (0.88 before) set levels
@@ -61,6 +61,22 @@ below them, and the calibrated model and the truths both scored the plans lower 
 every fill at 256K and at 50% and 75% at 32K, where at 90% the even level binds and nothing changed; on the
 robustness benchmark at 90% fill the 256K mean fell by 1%, the fine candidate doing better at 0.88 there; see the
 README's robustness section)."""
+
+BALANCE_TOL = 0.01
+"""Share of a microbatch's largest load its ranks may wait on average (the largest load less the mean over the
+pool) before a balanced formation (:func:`form`'s ``balance``) places it again at a lower level."""
+BALANCE_ROUNDS = 3
+"""Most placements again of one microbatch in a balanced formation (each at the mean load the last one reached)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How :func:`form` made a formation: its arguments besides the request, the degree set and the tables."""
+
+    raise_degrees: bool
+    even: bool
+    lift: float
+    microbatches: int | None
 
 
 @dataclass
@@ -86,6 +102,10 @@ class Formation:
     Megatron's degrees; a sequence may still join a group of a larger class that has room)."""
     planned_for: int
     """Microbatches it was planned for: the request's, or fewer (:func:`form`'s ``microbatches``)."""
+    recipe: Recipe | None = None
+    """The arguments of :func:`form` that made it (besides the degree set), to form it again balanced."""
+    balanced: bool = False
+    """Whether every microbatch but the last was balanced at its degrees (:func:`form`'s ``balance``)."""
     _laid: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
 
     def loads(self, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
@@ -179,12 +199,14 @@ class Formation:
 
 @dataclass
 class _Formed:
-    """One formed microbatch: class of every group, its sequences with their group, and the largest load."""
+    """One formed microbatch: class of every group, its sequences with their group, the largest load and the mean
+    load over the pool's ranks (idle ranks count 0)."""
 
     classes: np.ndarray
     seq: np.ndarray
     gid: np.ndarray
     top: float
+    mean: float = 0.0
 
 
 def _prefix_within(values: np.ndarray, index: np.ndarray, budget: float) -> int:
@@ -253,12 +275,13 @@ def _water_level(
 
 def _microbatch(
     tab: Tables, ds: DegreeSet, req: PlanRequest, remaining: np.ndarray, left: int, last: bool, raise_degrees: bool,
-    even: bool = False, lift: float = 1.0,
+    even: bool = False, lift: float = 1.0, balance: bool = False,
 ) -> tuple[_Formed, np.ndarray]:  # fmt: skip
     """Form one microbatch from ``remaining`` (heaviest first) with ``left`` microbatches still to come (this one
     included); return it and the sequences that wait. ``even``: the level is the remaining work spread evenly
     (no dense term), so that every microbatch aims at the same maximum. ``lift``: raised degrees are chosen at this
-    multiple of the level (see :func:`form`)."""
+    multiple of the level (see :func:`form`). ``balance``: the degrees chosen, the microbatch is placed again at
+    lower levels where its ranks wait (:func:`_balanced`)."""
     n_ranks, cap = req.world_size, req.capacity
     work = tab.work_min[remaining]
     level = float(work.sum()) / n_ranks / max(left, 1) + tab.fixed_min
@@ -282,6 +305,8 @@ def _microbatch(
         kdeg = tab.classes_at(tallest, raise_degrees, multi_cols)
     level = max(level, tallest)
     formed = _place(tab, ds, req, multi_cols, kdeg, single, level, last)
+    if balance and not last:
+        formed = _balanced(tab, ds, req, multi_cols, kdeg, single, level, formed)
     if last and raise_degrees and multi_cols.size:
         # the last microbatch takes everything: where its raised degrees overflow the pool, it is also formed at
         # the water level, and kept where that lowers its maximum (and leaves no more waiting)
@@ -291,6 +316,32 @@ def _microbatch(
             if alt[1].size <= formed[1].size and alt[0].top < formed[0].top:
                 formed = alt
     return formed
+
+
+def _balanced(
+    tab: Tables, ds: DegreeSet, req: PlanRequest, multi_cols: np.ndarray, kdeg: np.ndarray, single: np.ndarray,
+    level: float, formed: tuple[_Formed, np.ndarray],
+) -> tuple[_Formed, np.ndarray]:  # fmt: skip
+    """The microbatch ``formed`` at ``level`` placed again, its sequences' degrees kept, at the mean load it reached
+    while its ranks wait more than :data:`BALANCE_TOL` of its largest load, at most :data:`BALANCE_ROUNDS` times;
+    the placement that leaves the least waiting (largest load less the mean) is kept.
+
+    Where the level is above what ranks full of tokens can carry (ranks that hold shorter sequences' tokens, whose
+    work per token is lower), the placement fills the other groups to the level and those ranks wait; a lower level
+    lets fewer sequences join the heaviest groups, and what no longer fits waits for the next microbatches, whose
+    levels rise by the work that moved. Least waiting in one microbatch is not least in the step (the next ones may
+    hold the work less evenly), so the formation this makes is a candidate of its own, scored whole
+    (:func:`~lightning_hydra.planner.hydra.candidates`)."""
+    best = current = formed
+    for _ in range(BALANCE_ROUNDS):
+        top, mean = current[0].top, current[0].mean
+        if top - mean <= BALANCE_TOL * top or mean >= level * (1 - BALANCE_TOL):
+            break
+        level = mean
+        current = _place(tab, ds, req, multi_cols, kdeg, single, level, False)
+        if current[0].top - current[0].mean < best[0].top - best[0].mean:
+            best = current
+    return best
 
 
 def _place(
@@ -314,15 +365,16 @@ def _place(
     used = np.flatnonzero(present)
     gid = (np.cumsum(present) - 1)[gid]
     top = float(mb.loads[used].max()) if used.size else 0.0
+    mean = float(np.dot(mb.loads[used], ds.sizes[mb.classes[used]])) / req.world_size
     wait_multi = tab.multi[np.asarray(wait_multi, dtype=np.int64)]
     waiting = np.concatenate([wait_multi, wait_single])  # heaviest first (the single-rank ones mostly are)
     heaviest = descending_order_of_two(tab.cost_min[wait_multi], tab.cost_min[wait_single])
-    return _Formed(mb.classes[used], seq, gid.reshape(-1), top), waiting[heaviest]
+    return _Formed(mb.classes[used], seq, gid.reshape(-1), top, mean), waiting[heaviest]
 
 
 def form(
     req: PlanRequest, ds: DegreeSet, *, raise_degrees: bool, tables: Tables | None = None, even: bool = False,
-    lift: float = 1.0, microbatches: int | None = None,
+    lift: float = 1.0, microbatches: int | None = None, balance: bool = False,
 ) -> Formation:  # fmt: skip
     """Form the microbatches of one candidate (see the module docstring).
 
@@ -344,6 +396,8 @@ def form(
             the planner's model charges.
         microbatches: Plan for this many microbatches instead of the request's (named with ``/m`` and the count;
             ``None``: the request's).
+        balance: Place every microbatch but the last again at lower levels, its degrees kept, where its ranks wait
+            (:func:`_balanced`; named with ``/bal``).
 
     Returns:
         The candidate as flat arrays.
@@ -361,7 +415,9 @@ def form(
     formed: list[_Formed] = []
     while remaining.size:
         m = len(formed)
-        mb, waiting = _microbatch(tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees, even, lift)
+        mb, waiting = _microbatch(
+            tab, ds, req, remaining, asked - m, m >= asked - 1, raise_degrees, even, lift, balance
+        )
         if m >= asked - 1 and waiting.size == remaining.size:
             raise RuntimeError("formation made no progress")  # pragma: no cover - capacity was checked upstream
         formed.append(mb)
@@ -385,8 +441,11 @@ def form(
         num_microbatches=max(len(formed), asked),
         memory_driven=not raise_degrees,
         planned_for=asked,
+        recipe=Recipe(raise_degrees, even, lift, microbatches),
+        balanced=balance,
         name=f"{ds.name}/{'load' if raise_degrees else 'memory'}"
         + ("/even" if even else "")
         + (f"/x{lift:g}" if raise_degrees and lift != 1.0 else "")
-        + (f"/m{microbatches}" if microbatches is not None else ""),
+        + (f"/m{microbatches}" if microbatches is not None else "")
+        + ("/bal" if balance else ""),
     )

@@ -68,8 +68,11 @@ __all__ = [
     "schedule_hydra",
 ]
 
-CANDIDATES = (("pow2", True), ("fine", True), ("pow2", False))
-"""Formations tried: ``(degree set, load-driven degrees)``; ``("pow2", False)`` is the Megatron-shaped baseline."""
+CANDIDATES = (("pow2", True), ("fine", True), ("pow2", False), ("node", True))
+"""Formations tried: ``(degree set, load-driven degrees)``; ``("pow2", False)`` is the Megatron-shaped baseline.
+``("node", True)`` raises degrees in whole Ulysses blocks above a node (the ``node`` set of
+:data:`~lightning_hydra.planner.tables.DEGREE_SETS`): every rank a raised degree adds moves the fewest ring bytes
+any factorisation of its size can, for truths where communication is dear (issue 58)."""
 LIFTS = (1.1, 1.25, 1.5)
 """Lifts of the extra power-of-two load-driven formations (:func:`~lightning_hydra.planner.formation.form`'s
 ``lift``): degrees chosen at these multiples of each microbatch's level, between the load-driven formation (fewest
@@ -119,6 +122,11 @@ planned (``plan_ahead``); it stops once a bound shows Megatron's plan cannot cha
 load-driven formation wins by more than :data:`MCORE_REACH` never pays it. An explicit ``mcore_budget`` replaces
 both budgets. The bound counts sequences, not the step's length: more microbatches per step (more time to plan
 behind) reach it sooner; past it the shortfall can return."""
+
+
+BALANCE_BUDGET = math.inf
+"""Largest ``sequences * sqrt(ranks)`` for which the balanced twin of the front-runner (:func:`balanced_twin`) is
+also a candidate."""
 
 
 MCORE_REACH = 0.08
@@ -205,13 +213,13 @@ def fewer_microbatches(req: PlanRequest, tables: Tables) -> int | None:
     return fewest
 
 
-def candidates(req: PlanRequest) -> list[Formation]:
-    """The formations of :data:`CANDIDATES` (cost tables shared per degree set); with pipeline stages also the
-    load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum, none merged); within
-    :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`; where a fixed cost per microbatch
-    makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for fewer microbatches than
-    asked (named with ``/m`` and their count)."""
-    tables: dict[str, Tables] = {}
+def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> list[Formation]:
+    """The formations of :data:`CANDIDATES` (cost tables shared per degree set, kept in ``tables`` where given); with
+    pipeline stages also the load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum,
+    none merged); within :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`; where a fixed
+    cost per microbatch makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for fewer
+    microbatches than asked (named with ``/m`` and their count)."""
+    tables = {} if tables is None else tables
     out = []
     for name, load_driven in CANDIDATES:
         ds = DegreeSet.build(req.rules, name)
@@ -221,13 +229,37 @@ def candidates(req: PlanRequest) -> list[Formation]:
         if req.pipeline_stages > 1 and load_driven:
             out.append(form(req, ds, raise_degrees=True, tables=tables[name], even=True))
     ds = DegreeSet.build(req.rules, "pow2")
-    tab = tables["pow2"] if "pow2" in tables else Tables(req, ds)
+    if "pow2" not in tables:
+        tables["pow2"] = Tables(req, ds)
+    tab = tables["pow2"]
     if _within(req, LIFT_BUDGET):
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
     fewer = fewer_microbatches(req, tab)
     if fewer is not None:
         out.append(form(req, ds, raise_degrees=False, tables=tab, microbatches=fewer))
     return out
+
+
+def balanced_twin(req: PlanRequest, formation: Formation, tables: dict[str, Tables] | None = None) -> Formation:
+    """``formation`` formed again with every microbatch balanced at the degrees it chose
+    (:func:`~lightning_hydra.planner.formation.form`'s ``balance``): the candidate that keeps a degree assignment
+    (Megatron's memory-minimal one where ``formation`` is memory-driven, hydra's load-driven one else) and places
+    the sequences to even out each microbatch's time under the planner's model (issue 58).
+
+    Args:
+        req: The validated request.
+        formation: A formation of :func:`candidates` (its :attr:`~Formation.recipe` says how it was made).
+        tables: Cost tables per degree set already computed (shared with :func:`candidates`).
+    """
+    recipe = formation.recipe
+    if recipe is None:
+        raise ValueError(f"formation {formation.name!r} has no recipe to form it again")
+    ds = formation.degrees
+    tab = (tables or {}).get(ds.name) or Tables(req, ds)
+    return form(
+        req, ds, raise_degrees=recipe.raise_degrees, tables=tab, even=recipe.even, lift=recipe.lift,
+        microbatches=recipe.microbatches, balance=True,
+    )  # fmt: skip
 
 
 def schedule_hydra(req: PlanRequest) -> Plan:
@@ -274,7 +306,8 @@ def _choice(req: PlanRequest) -> _Choice:
     or within :data:`MCORE_BUDGET_MEMORY` where the choice without it is within :data:`MCORE_REACH` of the
     memory-driven formation."""
     lengths = req.lengths
-    formed = candidates(req)
+    tables: dict[str, Tables] = {}
+    formed = candidates(req, tables)
     static = static_layout(req)
     models = ensemble(req.cost)
     weights = member_weights(models)
@@ -284,9 +317,14 @@ def _choice(req: PlanRequest) -> _Choice:
 
     # the Megatron-shaped formation (the memory-driven one for the asked microbatches), static and mcore bound
     # hydra's own prediction; each scored as laid out (a ring is charged the link its ranks use)
+    formed_spans = [spans(*f.flat(), crosses=f.crosses(req)) for f in formed]
+    if formed and _within(req, BALANCE_BUDGET):  # the front-runner under the planner's own model, balanced
+        twin = balanced_twin(req, formed[int(np.argmin([x[0] for x in formed_spans]))], tables)
+        formed.append(twin)
+        formed_spans.append(spans(*twin.flat(), crosses=twin.crosses(req)))
     memory = [i for i, f in enumerate(formed) if f.memory_driven]
-    shaped = [f.memory_driven and f.planned_for == req.num_microbatches for f in formed]
-    scored = [Scored(f.name, spans(*f.flat(), crosses=f.crosses(req)), b) for f, b in zip(formed, shaped, strict=True)]
+    shaped = [f.memory_driven and f.planned_for == req.num_microbatches and not f.balanced for f in formed]
+    scored = [Scored(f.name, x, b) for f, x, b in zip(formed, formed_spans, shaped, strict=True)]
     scored.append(Scored("static", spans(*static.flat(), crosses=static.crosses(req)), True))
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
     mcore = schedule_mcore_fast(req) if _within(req, budget) else None

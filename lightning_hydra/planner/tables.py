@@ -18,7 +18,9 @@ __all__ = ["DEGREE_SETS", "DegreeSet", "Tables"]
 
 DEGREE_SETS = ("pow2", "fine", "node")
 """Named degree sets: ``pow2`` (Megatron's powers of two), ``fine`` (every size up to 8, then eight per octave),
-``node`` (1, 2, 4, then multiples of the largest Ulysses degree: full Ulysses inside a node, rings across)."""
+``node`` (the powers of two below the largest Ulysses degree ``U``, then ``U`` times a ring of every length up to 8
+and eight per octave above: full Ulysses inside a node, rings of whole Ulysses blocks across nodes, the fewest ring
+bytes per rank of any factorisation of a size)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class DegreeSet:
             sizes = rules.degrees()
         elif name == "node":
             top = rules.ulysses_options()[-1]
-            sizes = [d for d in rules.degrees() if d < top] + list(range(top, rules.world_size + 1, top))
+            rings = DegreeRules(world_size=rules.world_size // top, ranks_per_node=1).degrees(fine=True)
+            sizes = [d for d in rules.degrees() if d < top] + [top * r for r in rings]
             sizes = [d for d in sizes if rules.factor(d) is not None]
         else:
             raise ValueError(f"unknown degree set {name!r}; choose one of {DEGREE_SETS}")

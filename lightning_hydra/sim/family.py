@@ -20,6 +20,11 @@ planner's model does not have:
 
 :data:`DEVICE_TRUTHS` keep the form and change the device's constants instead (``python -m
 lightning_hydra.bench.robust --truths gemm2k attn4k ...``): a check on truths the planner was not tuned against.
+:data:`DEAR_TRUTHS` are a regime where communication is dear (issue 58): the H100's own link rates
+(:data:`~lightning_hydra.planner.devices.GPU_RATES`: 360 GB/s inside a node, 40 GB/s between nodes), a fixed share
+of every ring transfer exposed (a ring that leaves a node pays it on the inter-node link), the Ulysses all-to-alls of
+every layer at the NVLink rate and no per-sequence overhead beyond the kernels'; there Megatron's memory-minimal
+degrees are the cheap ones and raising a degree costs about what it buys in balance.
 :func:`random_truth` draws both at once (``random0``, ``random1``, ...: every constant and knob of
 :data:`RANDOM_RANGES` at random, ``--random-truths K``): held-out truths no one chose.
 """
@@ -28,9 +33,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from lightning_hydra.planner.devices import GPU_RATES
 from lightning_hydra.sim.hardware import PRESETS, Hardware
 
-__all__ = ["DEVICE_TRUTHS", "PLANNER_BANDWIDTHS", "RANDOM_PREFIX", "RANDOM_RANGES", "TRUTHS", "random_truth", "truth"]
+__all__ = [
+    "DEAR_TRUTHS", "DEVICE_TRUTHS", "LEAN_KERNELS", "PLANNER_BANDWIDTHS", "RANDOM_PREFIX", "RANDOM_RANGES", "TRUTHS",
+    "random_truth", "truth",
+]  # fmt: skip
 
 PLANNER_BANDWIDTHS = (400e9, 50e9)
 """The planner's default intra- and inter-node bandwidths (:meth:`CostModel.for_transformer`)."""
@@ -85,6 +94,34 @@ attention at half efficiency at 4,096-token chunks (``attn4k``), 10x launch and 
 the base device's while ring steps keep theirs (``a2a-lat``: 150 us) and ring steps dearer than the all-to-all
 (``ring-lat``: 100 us a transfer and 100 us a step), and several at once (``mix``). ``node16`` to ``ring-lat`` were
 added by issue 46 for the waiting's breakdown at 32K (truths the planner was not tuned against)."""
+
+
+LEAN_KERNELS: dict[str, float] = {"gemm_half_tokens": 128.0, "attn_half_len": 256.0, "layer_overhead": 20e-6}
+"""Kernels near their best efficiency at every size the benchmarks reach: GEMMs at half efficiency at 128 tokens,
+attention at 256-token chunks, 20 us of launches per layer and microbatch (the grid's device: 512, 1,024 and 100
+us). On such a device little of the step is kernel overhead, so the ceiling is high and what a plan loses is mostly
+waiting and communication."""
+
+DEAR_TRUTHS: dict[str, dict[str, float | bool]] = {
+    "dear25": {"ring_share": 0.25},
+    "dear50": {"ring_share": 0.5},
+    "dear25-lean": {"ring_share": 0.25, **LEAN_KERNELS},
+    "dear50-lean": {"ring_share": 0.5, **LEAN_KERNELS},
+}
+"""Truths where communication is dear (issue 58), each a set of :class:`~lightning_hydra.sim.hardware.Hardware`
+fields on the grid's device with the H100's own link rates (:data:`~lightning_hydra.planner.devices.GPU_RATES`: 360
+and 40 GB/s, below the planner's default 400 and 50): 25% or 50% of every ring transfer exposed whatever attention
+hides (``ring_share``; a ring whose ranks span nodes pays it on the inter-node link), the all-to-alls of every layer
+at the intra-node rate, no per-sequence overhead; with the device's kernels (``dear25``, ``dear50``) or kernels near
+their best at every size (``-lean``: :data:`LEAN_KERNELS`). A raised degree's ring and all-to-all then cost about
+what its balance buys, so Megatron's memory-minimal degrees are the cheap ones and the waiting its placement
+leaves (8-10% of the step at 256K on 512 ranks) is what remains to win."""
+
+_DEAR_LINKS = {
+    "intra_node_bandwidth": GPU_RATES["h100"].intra_node_bandwidth,
+    "inter_node_bandwidth": GPU_RATES["h100"].inter_node_bandwidth,
+}
+"""The links of every :data:`DEAR_TRUTHS` member: the H100's rates."""
 
 
 RANDOM_PREFIX = "random"
@@ -165,7 +202,8 @@ def truth(name: str, num_layers: int, base: Hardware | None = None) -> Hardware:
     """The hardware of truth ``name`` (see :data:`TRUTHS`).
 
     Args:
-        name: A key of :data:`TRUTHS` or :data:`DEVICE_TRUTHS`, or ``random<k>`` (:func:`random_truth` of ``k``).
+        name: A key of :data:`TRUTHS`, :data:`DEVICE_TRUTHS` or :data:`DEAR_TRUTHS`, or ``random<k>``
+            (:func:`random_truth` of ``k``).
         num_layers: Layers the model has (``seq_overhead`` is given over all layers; the hardware holds it per
             layer).
         base: The device (default: the ``h100`` preset at the planner's default bandwidths, no per-sequence
@@ -173,11 +211,12 @@ def truth(name: str, num_layers: int, base: Hardware | None = None) -> Hardware:
     """
     if name.startswith(RANDOM_PREFIX) and name[len(RANDOM_PREFIX) :].isdigit():
         return random_truth(int(name[len(RANDOM_PREFIX) :]), num_layers, base)
-    if name not in TRUTHS and name not in DEVICE_TRUTHS:
-        raise ValueError(
-            f"unknown truth {name!r}; choose one of {sorted(TRUTHS) + sorted(DEVICE_TRUTHS)} or {RANDOM_PREFIX}<k>"
-        )
+    known = [*TRUTHS, *DEVICE_TRUTHS, *DEAR_TRUTHS]
+    if name not in known:
+        raise ValueError(f"unknown truth {name!r}; choose one of {sorted(known)} or {RANDOM_PREFIX}<k>")
     hw = base or _base()
+    if name in DEAR_TRUTHS:
+        return hw.replace(name=f"{hw.name}/{name}", seq_overhead=0.0, **_DEAR_LINKS, **DEAR_TRUTHS[name])
     knobs = dict(TRUTHS[name] if name in TRUTHS else DEVICE_TRUTHS[name])
     scale = float(knobs.pop("bandwidth", 1.0))
     changes: dict[str, float | bool | str] = {

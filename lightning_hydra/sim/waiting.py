@@ -26,7 +26,10 @@ three causes; it is not added to them).
 
 Given the model's predicted times of the same bins, ``model_unseen`` is the share of the step the truth waits that
 the model did not predict (truth's waiting share minus the model's): the part of the waiting owed to calibration
-error. Shares are of ``N * span``; ``useful + overhead + cp_groups + microbatch_split + single_bins == 1``.
+error. Given the same bins' times without communication (:func:`~lightning_hydra.sim.truth.plan_times` with
+``include_comm=False``), ``communication`` is the part of the overhead that is exposed communication (all-to-all and
+ring bandwidth time and ring transfers attention did not hide; latencies stay in the rest of the overhead). Shares are
+of ``N * span``; ``useful + overhead + cp_groups + microbatch_split + single_bins == 1``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from lightning_hydra.planner.plan import Plan
 
 __all__ = ["CAUSES", "Waiting", "waiting"]
 
-CAUSES = ("single_bins", "cp_groups", "microbatch_split", "overhead", "no_token_room", "model_unseen")
-"""The columns :meth:`Waiting.shares` reports, besides ``useful``."""
+CAUSES = ("single_bins", "cp_groups", "microbatch_split", "overhead", "no_token_room", "model_unseen", "communication")
+"""The columns :meth:`Waiting.shares` reports, besides ``useful`` (``model_unseen`` and ``communication`` where their
+inputs were given)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class Waiting:
     given; else 0)."""
     model_unseen: float | None = None
     """Truth's waiting share minus the model's predicted waiting share (``None`` without predicted times)."""
+    communication: float | None = None
+    """Busy rank-seconds of exposed communication, a part of :attr:`overhead` (``None`` without the times without
+    communication)."""
 
     def shares(self) -> dict[str, float]:
         """``useful`` and every cause of :data:`CAUSES` as a share of the step's rank-seconds."""
@@ -77,12 +84,15 @@ class Waiting:
         }
         if self.model_unseen is not None:
             out["model_unseen"] = self.model_unseen
+        if self.communication is not None:
+            out["communication"] = self.communication / self.total
         return out
 
 
 def waiting(
-    plan: Plan, times: np.ndarray, useful: float, predicted: np.ndarray | None = None, capacity: int | None = None
-) -> Waiting:
+    plan: Plan, times: np.ndarray, useful: float, predicted: np.ndarray | None = None, capacity: int | None = None,
+    quiet: np.ndarray | None = None,
+) -> Waiting:  # fmt: skip
     """Split ``plan``'s step under a truth into useful work, overhead and the causes of waiting (module docstring).
 
     Args:
@@ -91,6 +101,7 @@ def waiting(
         useful: The batch's useful FLOP time on one device (``useful_time``), summed over the sequences.
         predicted: The model's ``[M, N]`` predicted times of the same bins, for ``model_unseen``; ``None``: skip it.
         capacity: Tokens a rank may hold in a microbatch, for ``no_token_room``; ``None``: skip it (0).
+        quiet: The same bins' ``[M, N]`` times without communication, for ``communication``; ``None``: skip it.
     """
     times = np.asarray(times, dtype=np.float64)
     if times.shape != (plan.num_microbatches, plan.world_size):
@@ -117,6 +128,9 @@ def waiting(
     if capacity is not None:
         full = capacity - plan.tokens() < min(plan.lengths)
         stuck = float(((top[:, None] - times) * full).sum())
+    comm = None
+    if quiet is not None:
+        comm = float(times.sum()) - float(np.asarray(quiet, dtype=np.float64).reshape(times.shape).sum())
     return Waiting(
         useful=useful,
         overhead=float(times.sum()) - useful,
@@ -126,4 +140,5 @@ def waiting(
         total=total,
         model_unseen=unseen,
         no_token_room=stuck,
+        communication=comm,
     )
