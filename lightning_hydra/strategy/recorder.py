@@ -15,7 +15,8 @@ then compares, operation by operation:
 - a step issued no call outside its operations.
 
 Testing aid: it replaces module attributes of ``torch.distributed`` while installed; install it in one process at a
-time and uninstall it (:meth:`uninstall`) when done.
+time and uninstall it (:meth:`uninstall`) when done. Only the installing thread's calls are checked: another
+thread's (an asynchronous checkpoint's writer, on a communicator of its own) are kept apart, in ``background``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +140,9 @@ class CollectiveRecorder(StepObserver):
         self.index = -1
         self.outside: list[Recorded] = []
         """Calls made while no list ran (Lightning's own, between steps): not checked."""
+        self.background: list[Recorded] = []
+        """Calls made by other threads (an asynchronous checkpoint's writer, on its own communicator): not checked."""
+        self._thread = threading.get_ident()
         self._program: list[Op] | None = None
         self._saved: dict[str, Any] = {}
         self._depth = 0
@@ -146,6 +151,7 @@ class CollectiveRecorder(StepObserver):
     # ------------------------------------------------------------------ installing
     def install(self, runtime: Any = None) -> CollectiveRecorder:
         """Wrap the ``torch.distributed`` functions (and watch ``runtime``'s steps, when given)."""
+        self._thread = threading.get_ident()
         for name in _WRAPPED:
             original = getattr(dist, name, None)
             if original is not None and name not in self._saved:
@@ -164,6 +170,9 @@ class CollectiveRecorder(StepObserver):
     def _wrap(self, name: str, original: Any) -> Any:
         @functools.wraps(original)
         def recorded(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._thread:  # not the step's thread: never counted in its operations
+                self.background.append(self._describe(name, args, kwargs))
+                return original(*args, **kwargs)
             if self._depth == 0:  # one call, not the calls it makes (all_gather_single -> all_gather_into_tensor)
                 call = self._describe(name, args, kwargs)
                 if self._program is None:
