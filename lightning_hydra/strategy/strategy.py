@@ -374,10 +374,14 @@ class HydraStrategy(ParallelStrategy):
 
     def _setup_checkpoints(self) -> None:
         """The checkpoint saver's communicator and stager (asynchronous saves; collective)."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
         from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
         if isinstance(self._checkpoint_io, AsyncCheckpointIO):  # Lightning's plugin: our own asynchronous saves
             self.checkpoints.asynchronous = True
+            # and not its thread: what else this rank writes through the plugin (the spawn launcher's weights file
+            # for the launching process) is written before the rank returns, and no thread outlives the run
+            self._checkpoint_io = TorchCheckpointIO()
         if self.checkpoints.setup(self.root_device):
             rank_zero_info(
                 "HydraStrategy: asynchronous checkpoints (staged to host memory, written in the background on a "
