@@ -17,15 +17,16 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_hydra import HydraDataModule, HydraStrategy
 from lightning_hydra.errors import RankDiedError
-from lightning_hydra.strategy.checkpoint import CheckpointSaver, check_complete
+from lightning_hydra.strategy.checkpoint import CheckpointSaver, check_complete, load_full_checkpoint
 from lightning_hydra.strategy.guard import SIGTERM_EXIT
 from lightning_hydra.strategy.prelaunch import SpawnLauncher
-from lightning_hydra.testing import quiet_trainer
+from lightning_hydra.testing import quiet_trainer, run_world
 from tests.test_sharding import _fit, _strategy, assert_params, make_dataset, make_model
 
 
@@ -224,3 +225,73 @@ def test_an_async_write_error_surfaces_at_the_next_wait_and_no_thread_is_left(tm
     with pytest.raises(OSError):
         saver.close()  # the end of a run raises the error too, and still releases the thread
     assert not [t for t in threading.enumerate() if t.name.startswith("hydra-checkpoint")]
+
+
+def _saver_on_ranks(rank: int, world: int, folder: str) -> dict:
+    """A rank's :class:`CheckpointSaver` used directly: two sharded saves (the parameter updated in place between
+    them), a failing one, ``close`` and ``setup`` again."""
+    folder_path = Path(folder)
+    saver = CheckpointSaver(asynchronous=True)
+    created = [saver.setup(torch.device("cpu")), saver.setup(torch.device("cpu"))]
+    weights = torch.arange(8.0)
+
+    def checkpoint(step: int) -> dict:
+        return {"state_dict": {"w": weights}, "optimizer_states": [], "global_step": step}
+
+    saver.save_sharded(checkpoint(1), folder_path / "a.ckpt", token="t1", rank=rank)
+    weights.add_(100)  # the next step's in-place update, while the first write may still run
+    saver.save_sharded(checkpoint(2), folder_path / "b.ckpt", token="t2", rank=rank)  # waits for a's first
+    first_published = (folder_path / "a.ckpt").is_dir()
+    saver.close()
+    again = saver.setup(torch.device("cpu"))  # another fit in this process: a new stager, the same communicator
+    blocker = folder_path / "a-file"
+    if rank == 0:
+        blocker.write_text("")
+    dist.barrier()
+    error = None
+    try:
+        saver.save_sharded(checkpoint(3), blocker / "c.ckpt", token="t3", rank=rank)
+        saver.wait()
+    except BaseException as exc:  # the failed write's error (torch's CheckpointException is a BaseException)
+        error = type(exc).__name__
+    from lightning_hydra.strategy import checkpoint as module
+
+    def refuse(staged: Path, path: Path) -> None:
+        raise OSError(f"no space left to publish {path.name}")
+
+    if rank == 0:  # rank 0's own part fails (its shards written): every rank hears of it
+        module.publish = refuse
+    published_error = None
+    saver.save_sharded(checkpoint(4), folder_path / "d.ckpt", token="t4", rank=rank)
+    try:
+        saver.close()  # the end of the run
+    except BaseException as exc:
+        published_error = f"{type(exc).__name__}: {exc}"
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("hydra-checkpoint")]
+    return {
+        "created": created,
+        "first": first_published,
+        "again": again,
+        "error": error,
+        "publish_error": published_error,
+        "threads": threads,
+    }
+
+
+def test_sharded_async_saves_on_ranks_stage_before_returning_wait_in_turn_and_raise_write_errors(
+    tmp_path: Path,
+) -> None:
+    """2 gloo ranks: ``setup`` creates the checkpoint communicator once (collectively) and a stager again after
+    ``close``; a save returns with the state staged (the in-place update after it is not in the checkpoint); the
+    second save waits for the first to be published (on every rank, not only rank 0 that publishes); a write that
+    fails raises on every rank, and so does rank 0's failure to publish; no thread is left."""
+    ranks = run_world(2, _saver_on_ranks, str(tmp_path), timeout=240)
+    for rank in ranks:
+        assert rank["created"] == [True, False] and rank["again"] is False
+        assert rank["first"] and rank["error"] is not None and rank["threads"] == []
+    assert ranks[0]["publish_error"] == "OSError: no space left to publish d.ckpt"
+    assert ranks[1]["publish_error"].startswith("RuntimeError: rank 0 failed to publish the checkpoint")
+    assert not (tmp_path / "d.ckpt").exists()
+    first, second = load_full_checkpoint(tmp_path / "a.ckpt"), load_full_checkpoint(tmp_path / "b.ckpt")
+    assert first["state_dict"]["w"].tolist() == torch.arange(8.0).tolist() and first["global_step"] == 1
+    assert second["state_dict"]["w"].tolist() == (torch.arange(8.0) + 100).tolist() and second["global_step"] == 2

@@ -285,7 +285,10 @@ class CheckpointSaver:
     background thread writes it (a sharded checkpoint: ``async_save``, its collectives on a gloo communicator of its
     own, never the step's) and rank 0 publishes it once every rank's part is written. A save waits for the previous
     one first; :meth:`wait` (called by the strategy at the end of a run, and by the SIGTERM guard after its save)
-    returns once the write is published, and raises an error the write hit. Removing a checkpoint while a write is
+    returns once the write is published, on every rank of a sharded save (the ranks' writer threads agree on it
+    over the checkpoint's communicator), and raises an error the write hit: a shard's on every rank, as
+    ``torch.distributed.checkpoint`` reports it, and rank 0's failure to write ``meta.pt`` or publish on every
+    rank too (the others as a ``RuntimeError`` naming rank 0). Removing a checkpoint while a write is
     pending waits for it to be published (older checkpoints go only after the new one is complete).
 
     Not run on a GPU here: pinned staging is torch's, selected on CUDA devices only.
@@ -298,6 +301,7 @@ class CheckpointSaver:
         self.asynchronous = asynchronous
         self.group: Any = None
         """The checkpoint's own communicator (asynchronous sharded saves), created by :meth:`setup`."""
+        self._world: Any = None
         self._stager: Any = None
         self._executor: Any = None
         self._pending: Any = None
@@ -314,18 +318,27 @@ class CheckpointSaver:
         self.__init__(**state)  # type: ignore[misc]
 
     def setup(self, device: torch.device) -> bool:
-        """Create the checkpoint communicator and the stager (collective: every rank; asynchronous only). Returns
-        whether a communicator was created."""
-        if not self.asynchronous or self.group is not None:
-            return False
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        """Create the stager and the checkpoint communicator (asynchronous only; collective: every rank calls it at
+        the same point). Again after :meth:`close` (another ``fit`` in the same process) and under a new default
+        process group. Returns whether a communicator was created.
 
-        cuda = device.type == "cuda"
-        self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
-        if dist.is_available() and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo")
-            return True
-        return False
+        Args:
+            device: The rank's device (CUDA: staging into pinned host memory with non-blocking copies).
+        """
+        if not self.asynchronous:
+            return False
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        world = dist.group.WORLD
+        if self.group is not None and self._world is world:
+            return False
+        self.group, self._world = dist.new_group(backend="gloo"), world
+        return True
 
     @property
     def pending(self) -> bool:
@@ -362,11 +375,24 @@ class CheckpointSaver:
         upload = getattr(upload, "upload_completion", upload)
         del state
 
+        group = self.group
+
         def finish() -> None:
-            upload.result()  # every rank's shards and the metadata are written
+            upload.result()  # every rank's shards and the metadata are written (a write error: on every rank)
+            failure: BaseException | None = None
             if rank == 0:
-                finish_sharded(meta, staged, path)
-                self._apply_removals()
+                try:
+                    finish_sharded(meta, staged, path)
+                    self._apply_removals()
+                except BaseException as exc:  # told to every rank below, then raised here
+                    failure = exc
+            if group is not None:  # every rank's write ends once the checkpoint is published, or failed to be
+                failed = torch.tensor([int(failure is not None)])
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+                if failure is None and failed.item():
+                    raise RuntimeError(f"rank 0 failed to publish the checkpoint {path} (its error is on rank 0)")
+            if failure is not None:
+                raise failure
 
         self._submit(finish)
         self.blocked_seconds.append(time.perf_counter() - start)
