@@ -259,6 +259,7 @@ def _saver_on_ranks(rank: int, world: int, folder: str) -> dict:
     def refuse(staged: Path, path: Path) -> None:
         raise OSError(f"no space left to publish {path.name}")
 
+    publish = module.publish
     if rank == 0:  # rank 0's own part fails (its shards written): every rank hears of it
         module.publish = refuse
     published_error = None
@@ -267,6 +268,12 @@ def _saver_on_ranks(rank: int, world: int, folder: str) -> dict:
         saver.close()  # the end of the run
     except BaseException as exc:
         published_error = f"{type(exc).__name__}: {exc}"
+    module.publish = publish
+    dist.destroy_process_group()  # a new world in the same process: a new communicator, and the saves work
+    dist.init_process_group("gloo", init_method=f"file://{folder_path / 'store'}", rank=rank, world_size=world)
+    renewed = saver.setup(torch.device("cpu"))
+    saver.save_sharded(checkpoint(5), folder_path / "e.ckpt", token="t5", rank=rank)
+    saver.close()
     threads = [t.name for t in threading.enumerate() if t.name.startswith("hydra-checkpoint")]
     return {
         "created": created,
@@ -274,6 +281,7 @@ def _saver_on_ranks(rank: int, world: int, folder: str) -> dict:
         "again": again,
         "error": error,
         "publish_error": published_error,
+        "renewed": renewed,
         "threads": threads,
     }
 
@@ -284,7 +292,8 @@ def test_sharded_async_saves_on_ranks_stage_before_returning_wait_in_turn_and_ra
     """2 gloo ranks: ``setup`` creates the checkpoint communicator once (collectively) and a stager again after
     ``close``; a save returns with the state staged (the in-place update after it is not in the checkpoint); the
     second save waits for the first to be published (on every rank, not only rank 0 that publishes); a write that
-    fails raises on every rank, and so does rank 0's failure to publish; no thread is left."""
+    fails raises on every rank, and so does rank 0's failure to publish; under a new default process group
+    ``setup`` creates a new communicator and saves work; no thread is left."""
     ranks = run_world(2, _saver_on_ranks, str(tmp_path), timeout=240)
     for rank in ranks:
         assert rank["created"] == [True, False] and rank["again"] is False
@@ -292,6 +301,8 @@ def test_sharded_async_saves_on_ranks_stage_before_returning_wait_in_turn_and_ra
     assert ranks[0]["publish_error"] == "OSError: no space left to publish d.ckpt"
     assert ranks[1]["publish_error"].startswith("RuntimeError: rank 0 failed to publish the checkpoint")
     assert not (tmp_path / "d.ckpt").exists()
+    assert all(rank["renewed"] for rank in ranks)
+    assert load_full_checkpoint(tmp_path / "e.ckpt")["global_step"] == 5
     first, second = load_full_checkpoint(tmp_path / "a.ckpt"), load_full_checkpoint(tmp_path / "b.ckpt")
     assert first["state_dict"]["w"].tolist() == torch.arange(8.0).tolist() and first["global_step"] == 1
     assert second["state_dict"]["w"].tolist() == (torch.arange(8.0) + 100).tolist() and second["global_step"] == 2
