@@ -308,7 +308,9 @@ class CheckpointSaver:
         self._removals: list[Path] = []
         self._lock = threading.Lock()
         self.blocked_seconds: list[float] = []
-        """Seconds each save blocked its caller (staging only, when asynchronous)."""
+        """Seconds each save blocked its caller (on rank 0 of a replica pool; every rank of a sharded one): the whole
+        write when synchronous; when asynchronous, waiting for the previous save's write (if still running) and
+        staging."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (the strategy goes to spawned ranks): the setting only; each process makes its own state."""
