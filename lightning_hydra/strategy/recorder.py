@@ -15,8 +15,9 @@ then compares, operation by operation:
 - a step issued no call outside its operations.
 
 Testing aid: it replaces module attributes of ``torch.distributed`` while installed; install it in one process at a
-time and uninstall it (:meth:`uninstall`) when done. Only the installing thread's calls are checked: another
-thread's (an asynchronous checkpoint's writer, on a communicator of its own) are kept apart, in ``background``.
+time and uninstall it (:meth:`uninstall`) when done. Calls on the communicators it is told are the background's
+(an asynchronous checkpoint's, whose writer thread runs them while steps run) are kept apart, in ``background``,
+and never counted in a step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,10 +130,12 @@ class CollectiveRecorder(StepObserver):
 
     Args:
         rank: This process's global rank.
+        background: Process groups whose calls belong to no step (an asynchronous checkpoint's communicator).
     """
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, background: Sequence[Any] = ()) -> None:
         self.rank = rank
+        self._background = {_name(group) for group in background}
         self.steps: list[tuple[list[Op], list[tuple[int, Recorded]]]] = []
         """Every list run so far and the calls made while it ran (with the index of the operation then running)."""
         self.calls: list[tuple[int, Recorded]] = []
@@ -141,8 +143,7 @@ class CollectiveRecorder(StepObserver):
         self.outside: list[Recorded] = []
         """Calls made while no list ran (Lightning's own, between steps): not checked."""
         self.background: list[Recorded] = []
-        """Calls made by other threads (an asynchronous checkpoint's writer, on its own communicator): not checked."""
-        self._thread = threading.get_ident()
+        """Calls on the ``background`` communicators (an asynchronous checkpoint's writer thread): not checked."""
         self._program: list[Op] | None = None
         self._saved: dict[str, Any] = {}
         self._depth = 0
@@ -151,7 +152,6 @@ class CollectiveRecorder(StepObserver):
     # ------------------------------------------------------------------ installing
     def install(self, runtime: Any = None) -> CollectiveRecorder:
         """Wrap the ``torch.distributed`` functions (and watch ``runtime``'s steps, when given)."""
-        self._thread = threading.get_ident()
         for name in _WRAPPED:
             original = getattr(dist, name, None)
             if original is not None and name not in self._saved:
@@ -170,9 +170,11 @@ class CollectiveRecorder(StepObserver):
     def _wrap(self, name: str, original: Any) -> Any:
         @functools.wraps(original)
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self._thread:  # not the step's thread: never counted in its operations
-                self.background.append(self._describe(name, args, kwargs))
-                return original(*args, **kwargs)
+            if self._background and name not in ("batch_isend_irecv", "send", "recv", "new_group"):
+                call = self._describe(name, args, kwargs)
+                if call.group in self._background:  # from another thread, maybe while a step runs: no step's call
+                    self.background.append(call)
+                    return original(*args, **kwargs)
             if self._depth == 0:  # one call, not the calls it makes (all_gather_single -> all_gather_into_tensor)
                 call = self._describe(name, args, kwargs)
                 if self._program is None:
@@ -357,7 +359,9 @@ class RecordCollectives(pl.Callback):
         self.recorder: CollectiveRecorder | None = None
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
-        self.recorder = CollectiveRecorder(trainer.global_rank).install(module.runtime())
+        checkpoints = getattr(trainer.strategy, "checkpoints", None)  # an asynchronous checkpoint's communicator
+        background = [g for g in (getattr(checkpoints, "group", None),) if g is not None]
+        self.recorder = CollectiveRecorder(trainer.global_rank, background).install(module.runtime())
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:
         assert self.recorder is not None
