@@ -273,6 +273,16 @@ def _saver_on_ranks(rank: int, world: int, folder: str) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{folder_path / 'store'}", rank=rank, world_size=world)
     renewed = saver.setup(torch.device("cpu"))
     saver.save_sharded(checkpoint(5), folder_path / "e.ckpt", token="t5", rank=rank)
+    saver.wait()
+    replica_error = None  # a replica pool's file: rank 0 writes it, every rank's wait ends once it is published
+    saver.save_full({"state_dict": {"w": weights}, "global_step": 6}, blocker / "f.ckpt", token="t6", rank=rank)
+    try:
+        saver.wait()
+    except BaseException as exc:
+        replica_error = type(exc).__name__
+    saver.save_full({"state_dict": {"w": weights}, "global_step": 7}, folder_path / "g.ckpt", token="t7", rank=rank)
+    saver.wait()
+    replica_published = (folder_path / "g.ckpt").is_file()
     saver.close()
     threads = [t.name for t in threading.enumerate() if t.name.startswith("hydra-checkpoint")]
     return {
@@ -282,18 +292,21 @@ def _saver_on_ranks(rank: int, world: int, folder: str) -> dict:
         "error": error,
         "publish_error": published_error,
         "renewed": renewed,
+        "replica_error": replica_error,
+        "replica_published": replica_published,
         "threads": threads,
     }
 
 
-def test_sharded_async_saves_on_ranks_stage_before_returning_wait_in_turn_and_raise_write_errors(
+def test_saver_on_ranks_stages_before_returning_waits_in_turn_and_raises_write_errors_everywhere(
     tmp_path: Path,
 ) -> None:
     """2 gloo ranks: ``setup`` creates the checkpoint communicator once (collectively) and a stager again after
     ``close``; a save returns with the state staged (the in-place update after it is not in the checkpoint); the
     second save waits for the first to be published (on every rank, not only rank 0 that publishes); a write that
     fails raises on every rank, and so does rank 0's failure to publish; under a new default process group
-    ``setup`` creates a new communicator and saves work; no thread is left."""
+    ``setup`` creates a new communicator and saves work; a replica pool's file (rank 0's) is published when every
+    rank's wait returns, and rank 0's failure to write it is raised on every rank; no thread is left."""
     ranks = run_world(2, _saver_on_ranks, str(tmp_path), timeout=240)
     for rank in ranks:
         assert rank["created"] == [True, False] and rank["again"] is False
@@ -301,7 +314,9 @@ def test_sharded_async_saves_on_ranks_stage_before_returning_wait_in_turn_and_ra
     assert ranks[0]["publish_error"] == "OSError: no space left to publish d.ckpt"
     assert ranks[1]["publish_error"].startswith("RuntimeError: rank 0 failed to publish the checkpoint")
     assert not (tmp_path / "d.ckpt").exists()
-    assert all(rank["renewed"] for rank in ranks)
+    assert all(rank["renewed"] and rank["replica_published"] for rank in ranks)
+    assert ranks[0]["replica_error"] in ("FileExistsError", "NotADirectoryError")
+    assert ranks[1]["replica_error"] == "RuntimeError"
     assert load_full_checkpoint(tmp_path / "e.ckpt")["global_step"] == 5
     first, second = load_full_checkpoint(tmp_path / "a.ckpt"), load_full_checkpoint(tmp_path / "b.ckpt")
     assert first["state_dict"]["w"].tolist() == torch.arange(8.0).tolist() and first["global_step"] == 1

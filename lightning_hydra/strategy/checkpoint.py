@@ -285,8 +285,8 @@ class CheckpointSaver:
     background thread writes it (a sharded checkpoint: ``async_save``, its collectives on a gloo communicator of its
     own, never the step's) and rank 0 publishes it once every rank's part is written. A save waits for the previous
     one first; :meth:`wait` (called by the strategy at the end of a run, and by the SIGTERM guard after its save)
-    returns once the write is published, on every rank of a sharded save (the ranks' writer threads agree on it
-    over the checkpoint's communicator), and raises an error the write hit: a shard's on every rank, as
+    returns once the write is published, on every rank (the ranks' writer threads agree on it over the
+    checkpoint's communicator), and raises an error the write hit: a shard's on every rank, as
     ``torch.distributed.checkpoint`` reports it, and rank 0's failure to write ``meta.pt`` or publish on every
     rank too (the others as a ``RuntimeError`` naming rank 0). Removing a checkpoint while a write is
     pending waits for it to be published (older checkpoints go only after the new one is complete).
@@ -381,31 +381,22 @@ class CheckpointSaver:
 
         def finish() -> None:
             upload.result()  # every rank's shards and the metadata are written (a write error: on every rank)
-            failure: BaseException | None = None
-            if rank == 0:
-                try:
-                    finish_sharded(meta, staged, path)
-                    self._apply_removals()
-                except BaseException as exc:  # told to every rank below, then raised here
-                    failure = exc
-            if group is not None:  # every rank's write ends once the checkpoint is published, or failed to be
-                failed = torch.tensor([int(failure is not None)])
-                dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-                if failure is None and failed.item():
-                    raise RuntimeError(f"rank 0 failed to publish the checkpoint {path} (its error is on rank 0)")
-            if failure is not None:
-                raise failure
+            self._publish_on_zero(rank, group, path, lambda: finish_sharded(meta, staged, path))
 
         self._submit(finish)
         self.blocked_seconds.append(time.perf_counter() - start)
 
     def save_full(self, checkpoint: dict[str, Any], path: Path, *, token: str, rank: int) -> None:
-        """Save a replica pool's file (rank 0 writes; the others return)."""
+        """Save a replica pool's file (rank 0 stages and writes it; asynchronously, the other ranks' writes end
+        when rank 0 has published it)."""
         import time
 
         start = time.perf_counter()
         self.wait()
+        group = self.group
         if rank != 0:
+            if self.asynchronous and group is not None:  # the write ends here once rank 0 has published it
+                self._submit(lambda: self._publish_on_zero(rank, group, path, lambda: None))
             return
         staged = staged_path(path, token)
         if not self.asynchronous:
@@ -415,13 +406,28 @@ class CheckpointSaver:
         if self._stager is None:
             raise RuntimeError("CheckpointSaver.setup() must run before an asynchronous save")
         copy = self._stager.stage(checkpoint)
-
-        def finish() -> None:
-            finish_full(lambda where: _write_file(copy, where), staged, path)
-            self._apply_removals()
-
-        self._submit(finish)
+        write = lambda: finish_full(lambda where: _write_file(copy, where), staged, path)  # noqa: E731
+        self._submit(lambda: self._publish_on_zero(rank, group, path, write))
         self.blocked_seconds.append(time.perf_counter() - start)
+
+    def _publish_on_zero(self, rank: int, group: Any, path: Path, publish_it: Callable[[], None]) -> None:
+        """Writer thread, every rank: rank 0 runs ``publish_it`` (and the removals waiting for it), then the ranks
+        agree over ``group`` whether it succeeded, so that every rank's write ends once the checkpoint is published
+        and rank 0's failure is raised on every rank (the others as a ``RuntimeError`` naming rank 0)."""
+        failure: BaseException | None = None
+        if rank == 0:
+            try:
+                publish_it()
+                self._apply_removals()
+            except BaseException as exc:  # told to every rank below, then raised here
+                failure = exc
+        if group is not None:
+            failed = torch.tensor([int(failure is not None)])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+            if failure is None and failed.item():
+                raise RuntimeError(f"rank 0 failed to publish the checkpoint {path} (its error is on rank 0)")
+        if failure is not None:
+            raise failure
 
     def remove(self, path: Path, *, rank: int) -> None:
         """Remove a checkpoint (rank 0): now, or once the pending write is published."""
