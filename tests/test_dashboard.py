@@ -144,3 +144,25 @@ def test_the_summary_shows_the_recent_train_loss_and_the_validation_loss() -> No
     trainer = SimpleNamespace(callback_metrics={"val/loss": 3.25})
     line = monitor.summary(trainer)
     assert "; train loss 3.100 (mean of the last 10 steps; last 4.000), validation loss 3.250; 1 tokens/s" in line
+
+
+def test_the_dashboard_shows_a_blend_s_realised_mixture_against_the_asked_one(tmp_path: Path) -> None:
+    """A run that trained a blend has a data-mixture table: each source's weight, its share of the epoch's tokens at
+    the last step (not the first) and the tokens trained from it over the run; a run without a blend has none."""
+    rows = []
+    for step, (a, b) in enumerate([(300, 100), (250, 150), (280, 120)]):
+        row = _row(step, "replay", both=True)
+        row["metrics"].update({"data/tokens/web": a, "data/tokens/code": b, "data/weight/web": 0.7})
+        row["metrics"].update({"data/weight/code": 0.3, "data/share/web": 0.75 - 0.02 * step})
+        row["metrics"]["data/share/code"] = 0.25 + 0.02 * step
+        rows.append(row)
+    blend, plain = tmp_path / "blend" / RECORDS_FILE, tmp_path / "plain" / RECORDS_FILE
+    for path, written in ((blend, rows), (plain, [_row(0, "replay", both=True)])):
+        path.parent.mkdir()
+        path.write_text("".join(json.dumps(r) + "\n" for r in written))
+    table = dashboard.mixture_table({"blend": load_run(blend)[1]})
+    assert table[1:] == [["blend", "code", "30.0%", "29.0%", "370"], ["blend", "web", "70.0%", "71.0%", "830"]]
+    assert dashboard.mixture_table({"plain": load_run(plain)[1]}) == [table[0]]
+    html = render_report([blend], tmp_path / "dash").read_text()
+    assert "<h2>Data mixture</h2>" in html and "<td>71.0%</td>" in html
+    assert "Data mixture" not in render_report([plain], tmp_path / "dash2").read_text()

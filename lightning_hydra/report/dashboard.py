@@ -24,7 +24,7 @@ from lightning_hydra.report.runs import (
     resumes,
 )
 
-__all__ = ["find_runs", "load_run", "render_report", "run_header", "summary_table"]
+__all__ = ["find_runs", "load_run", "mixture_table", "render_report", "run_header", "summary_table"]
 
 _SUMMARY = (
     ("balance/max_over_mean", "balance max/mean", "{:.3f}"),
@@ -142,6 +142,32 @@ def summary_table(runs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
     return table
 
 
+def mixture_table(runs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    """Header and one row per source of every run that trained a blend (``HydraDataModule(sources=...)``): the
+    weight asked (normalised), the share of the epoch's tokens realised up to the run's last step, and the tokens
+    the run trained from it (from the ``data/weight/``, ``data/share/`` and ``data/tokens/`` metrics); only the
+    header when no run blended sources."""
+    table = [["run", "source", "weight asked", "share realised", "tokens trained"]]
+    for name, rows in runs.items():
+        metrics = [r["metrics"] for r in rows]
+        sources = sorted({k.removeprefix("data/weight/") for m in metrics for k in m if k.startswith("data/weight/")})
+        for source in sources:
+            last = [m for m in metrics if f"data/share/{source}" in m]
+            weight = last[-1].get(f"data/weight/{source}") if last else None
+            share = last[-1][f"data/share/{source}"] if last else None
+            tokens = sum(float(m.get(f"data/tokens/{source}", 0.0)) for m in metrics)
+            table.append(
+                [
+                    name,
+                    source,
+                    "-" if weight is None else f"{float(weight):.1%}",
+                    "-" if share is None else f"{float(share):.1%}",
+                    f"{tokens:,.0f}",
+                ]
+            )
+    return table
+
+
 _STEP_TIMES = {"replay": "replayed step time (the critical path of busy times)", "wall": "wall-clock step time"}
 
 
@@ -226,6 +252,16 @@ def render_report(paths: Sequence[str | Path], out_dir: str | Path, *, steps: Se
         else ""
     )
     headers = "".join(f"<li>{html.escape(run_header(name, rows))}</li>" for name, rows in runs.items())
+    blend = mixture_table(runs)
+    mixture = ""
+    if len(blend) > 1:  # a run blended sources: the mixture realised against the one asked
+        cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in blend[1:])
+        mixture = (
+            '<h2>Data mixture</h2><p class="note">Per source of a blend: its weight (normalised), its share of the '
+            "epoch's tokens up to the last step, and the tokens trained from it.</p><table><tr>"
+            + "".join(f"<th>{html.escape(c)}</th>" for c in blend[0])
+            + f"</tr>{cells}</table>"
+        )
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table[0])
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table[1:])
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>lightning-hydra dashboard</title>
@@ -243,6 +279,7 @@ microbatch time (with calibration off, the analytic model's). Dashed vertical li
 of step time.</p>
 <table><tr>{head}</tr>{body}</table>
 {replay_note}
+{mixture}
 <h2>Over training</h2><div class="grid">{"".join(_img(p) for p in series)}</div>
 <h2>Pool position x microbatch timelines</h2>
 <p class="note">One row per pool position (a rank; under TP a TP group, its ranks in brackets). Coloured: busy
