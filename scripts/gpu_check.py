@@ -185,7 +185,7 @@ def ring_checks(
     return rows
 
 
-class _ReferenceAttention:
+class ReferenceAttention:
     """Stands in for a model's CP context: per-document float32 SDPA (GQA by repeating KV heads)."""
 
     def __init__(self, cu: list[int]) -> None:
@@ -245,7 +245,7 @@ def train_check(
     model.to(device=device, dtype=dtype)
     reference.to(device=device, dtype=torch.float32)
     for layer in reference.layers:
-        object.__setattr__(layer.attn, "hydra_cp", _ReferenceAttention(list(mb.cu_seqlens)))
+        object.__setattr__(layer.attn, "hydra_cp", ReferenceAttention(list(mb.cu_seqlens)))
     mb.input_ids, mb.labels, mb.position_ids = (x.to(device) for x in (mb.input_ids, mb.labels, mb.position_ids))
     trained = int((mb.labels != -100).sum())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -74,8 +74,13 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from gpu_check import BF16_BOUND, WORLD_MEASURES, reference_attention, relative_error  # beside this script
+from gpu_check import (  # beside this script
+    BF16_BOUND,
+    WORLD_MEASURES,
+    ReferenceAttention,
+    reference_attention,
+    relative_error,
+)
 
 from lightning_hydra.cp.attention import attend, plan_for
 from lightning_hydra.cp.groups import CommClock, CPGroup, GroupCache
@@ -279,20 +284,8 @@ def direct_attention(
 
         return "varlen_attn", aten, None
 
-    def per_document(q, k, v, causal, scale):  # CPU: no varlen op
-        rep = q.shape[1] // k.shape[1]
-        return torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    q[a:b].transpose(0, 1),
-                    k[a:b].transpose(0, 1).repeat_interleave(rep, 0),
-                    v[a:b].transpose(0, 1).repeat_interleave(rep, 0),
-                    is_causal=causal,
-                    scale=scale,
-                ).transpose(0, 1)
-                for a, b in itertools.pairwise(cu)
-            ]
-        )
+    def per_document(q, k, v, causal, scale):  # CPU: no varlen op: gpu_check's per-document SDPA
+        return ReferenceAttention(cu).attention(q, k, v, causal=causal, scale=scale)
 
     return "sdpa_per_document", per_document, None
 
