@@ -144,6 +144,9 @@ class CollectiveRecorder(StepObserver):
         """Calls made while no list ran (Lightning's own, between steps): not checked."""
         self.background: list[Recorded] = []
         """Calls on the ``background`` communicators (an asynchronous checkpoint's writer thread): not checked."""
+        self.between: list[tuple[int, Recorded]] = []
+        """The same calls, each with how many lists had run before it (``k``: after the ``k``-th list, before the
+        next): what a step boundary issues besides its lists."""
         self._program: list[Op] | None = None
         self._saved: dict[str, Any] = {}
         self._depth = 0
@@ -179,6 +182,7 @@ class CollectiveRecorder(StepObserver):
                 call = self._describe(name, args, kwargs)
                 if self._program is None:
                     self.outside.append(call)
+                    self.between.append((len(self.steps), call))
                 else:
                     self.calls.append((self.index, call))
             self._depth += 1
@@ -236,6 +240,13 @@ class CollectiveRecorder(StepObserver):
         self.steps.append((self._program, self.calls))
         self._program = None
         self.calls = []
+
+    @property
+    def current(self) -> Op | None:
+        """The operation running now (``None`` between operations and between lists)."""
+        if self._program is None or not 0 <= self.index < len(self._program):
+            return None
+        return self._program[self.index]
 
     @contextlib.contextmanager
     def running(self, program: Sequence[Op]) -> Any:
