@@ -223,7 +223,9 @@ def test_a_misordered_collective_fails_in_seconds_naming_ranks_and_communicator(
         trainer.fit(make_model(2), HydraDataModule(make_dataset(0, 20), global_batch_tokens=700, seed=5))
     message = str(failed.value)
     assert re.search(r"rank \d failed in (the plan digest check on world\(0, 1, 2, 3\)|forward of )", message), message
-    assert "Timed out" in message or "timed out" in message, message[-2000:]
+    # the first rank whose collective timed out ends; a peer still waiting may see its connection close first (no
+    # collective synchronises the ranks before the step's check any more: which rank waits longest varies)
+    assert any(s in message for s in ("Timed out", "timed out", "Connection closed by peer")), message[-2000:]
     err = Path(strategy.reports).read_text()
     # every rank said where it waits: rank 1 in its forward on its CP group, the others in the check
     assert re.search(

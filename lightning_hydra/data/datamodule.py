@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from lightning_hydra.strategy.runtime import HydraRuntime
 
 
-__all__ = ["HydraDataModule", "PendingStep", "model_vocab_size", "resolve", "scan_lengths"]
+__all__ = ["FailedStep", "HydraDataModule", "PendingStep", "model_vocab_size", "resolve", "scan_lengths"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,18 @@ class PendingStep:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> StepBatch:
         """The planned step, on ``device``."""
         return self.result().to(device, non_blocking=non_blocking)
+
+
+class FailedStep:
+    """What a rank's loader hands its step when planning or reading the step failed there: the step's check
+    (:meth:`~lightning_hydra.strategy.runtime.HydraRuntime.begin_step`, the step's one control all-reduce) tells every
+    rank, and every rank raises the failing rank's message."""
+
+    def __init__(self, error: BaseException) -> None:
+        """Args:
+        error: What planning or reading raised.
+        """
+        self.error = error
 
 
 def resolve(batch: StepBatch | PendingStep) -> StepBatch:
@@ -427,27 +439,25 @@ class HydraDataModule(pl.LightningDataModule):
 
     @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """The planned step; if planning or reading it failed on any rank, the same error on every rank.
+        """The planned step; if planning or reading it failed here, a :class:`FailedStep` that stops every rank.
 
         A rank reads only the sequences it holds a shard of, so bad data (a token id outside the vocabulary, an item
-        shorter than its recorded length) may surface on some ranks only. The ranks agree with one ``all_sum`` of a
-        flag per step before the step's collectives, so every rank stops with the failing rank's message (a
-        :class:`~lightning_hydra.errors.ConfigError`, printed once by the command line) instead of the others waiting
-        in a collective for a rank that has gone.
+        shorter than its recorded length) may surface on some ranks only. The ranks learn of it in the step's check
+        (its first operation, the step's one control all-reduce: the plan digest and the data error and SIGTERM
+        flags, read to the host once), before the step's other collectives, so every rank stops with the failing
+        rank's message (a :class:`~lightning_hydra.errors.ConfigError`, printed once by the command line) instead of
+        the others waiting in a collective for a rank that has gone. One process raises the error here.
         """
         if not isinstance(batch, PendingStep):
             return batch
         error = batch.future.exception()  # waits for the plan
+        if error is None:
+            return batch.result()
         runtime = self._runtime()
         layout = getattr(runtime, "layout", None)  # with pipeline stages every stage plans the batch: the world agrees
         if (layout.world_size if layout is not None else runtime.world_size) > 1:
-            flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=runtime.device)
-            if float(runtime.all_sum(flag).item()) > 0:
-                mine = None if error is None else (str(error) if isinstance(error, ValueError) else repr(error))
-                found = [(r, m) for r, m in enumerate(runtime.all_gather_object(mine)) if m is not None]
-                ranks = ", ".join(str(r) for r, _ in found)
-                raise ConfigError(f"{found[0][1]} (found by rank{'s' * (len(found) > 1)} {ranks})") from error
-        return batch.result()
+            return FailedStep(error)
+        return batch.result()  # raises
 
     # ------------------------------------------------------------------ planning
     def _runtime(self) -> HydraRuntime:

@@ -17,7 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
-from lightning_hydra.data.datamodule import resolve
+from lightning_hydra.data.datamodule import FailedStep, resolve
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch, StepBatch
 from lightning_hydra.errors import check_int, check_number
 from lightning_hydra.metrics.record import StepRecord
@@ -262,6 +262,9 @@ class HydraModule(pl.LightningModule):
         :attr:`last_record`; returns the global batch's mean token loss (the same on every rank)."""
         from lightning_hydra.strategy.step import StepRunner
 
+        if isinstance(batch, FailedStep):  # this rank's planning or reading failed: the step's check stops every rank
+            self.runtime().begin_step(batch)
+            raise batch.error  # one process: nobody to tell
         runner = StepRunner(self, batch, self.runtime(), train=train, global_step=int(self.global_step), clip=clip)
         loss = runner.run()
         self.last_timing = runner.timing

@@ -44,6 +44,7 @@ __all__ = [
     "Work",
     "ZERO_TOKEN_TOKENS",
     "OrderRule",
+    "control_words",
     "exchanges",
     "per_position_order",
     "plan_work",
@@ -190,9 +191,15 @@ class StepOptions:
     clip: bool = False
     """The gradient norm is reduced after the gradient sum."""
     digest_words: int = 1
-    """int64 values each rank contributes to the plan digest's gather."""
+    """int64 words of the plan digest in the step's control all-reduce (:func:`control_words`)."""
     measure: bool = True
     """Every rank's measurements are gathered after a training step."""
+
+
+def control_words(digest_words: int = 1) -> int:
+    """Values of a step's control all-reduce (the ``check`` operation, int64, ``MAX`` over the world): the data error
+    flag, the SIGTERM flag, then the digest words and their negations (equal digests: ``max == -max(-x)``)."""
+    return 2 + 2 * digest_words
 
 
 @dataclass
@@ -320,7 +327,8 @@ def rank_program(
     count = len(work)
     b = _Builder(layout, rank)
     world = layout.world()
-    b.add("check", [world], [Call("all_gather", world, options.digest_words, "int64")] if world else [])
+    control = [Call("all_reduce", world, control_words(options.digest_words), "int64")] if world else []
+    b.add("check", [world], control)
     shard = layout.shard(rank)
     if layout.explicit_gathers:
         for unit in range(options.units):

@@ -3,8 +3,8 @@
 A step is, for every rank, an ordered list of :class:`Op`. An operation names the communicators (:class:`Comm`) it
 issues collectives on. Operations of two kinds stand side by side:
 
-- **explicit** operations issue collectives the runtime calls itself, listed exactly in :attr:`Op.calls` (the plan
-  digest's gather, the gradient sums, the loss sum, a cost model's broadcast);
+- **explicit** operations issue collectives the runtime calls itself, listed exactly in :attr:`Op.calls` (the step's
+  control all-reduce, the gradient sums, the loss sum, a cost model's broadcast);
 - **compound** operations (a microbatch's forward or backward on a stage, an FSDP unit's gather, the measurement
   gather, the gradient-norm reductions) issue collectives in module order, the same on every member of each
   communicator because every member runs the same layers on the same microbatch; they list their communicators
@@ -26,7 +26,8 @@ __all__ = ["Call", "Comm", "CommKind", "Op", "OpKind", "Transfer"]
 CommKind = Literal["world", "grad", "shard", "replicate", "cp", "tp", "loss", "link"]
 """What a communicator carries:
 
-- ``world``: step-boundary collectives of every rank (plan digest, measurements, cost model, stage sums, saves);
+- ``world``: step-boundary collectives of every rank (the step's control all-reduce of the plan digest and the data
+  error and SIGTERM flags; measurements, cost model, stage sums, saves);
 - ``grad``: the gradient sum of a stage's pool (replicas, and the pool sum under TP), a communicator of its own;
 - ``shard`` / ``replicate``: FSDP's gathers and reduce-scatters / hsdp's all-reduce across nodes;
 - ``cp``: a CP group's Ulysses all-to-alls and ring exchanges in one microbatch;

@@ -1,5 +1,6 @@
 """Checks every rank runs identically: the pool's shape, heads against the Ulysses cap, the data against the pool
-(pure: callable before any process starts), and the plan's digest (a collective)."""
+(pure: callable before any process starts), and at every step's start the step's control all-reduce (a collective:
+the plan's digest, a data error on any rank, SIGTERM on any rank)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ from lightning_hydra.planner import CostModel, PlannerConfig
 from lightning_hydra.planner.calibration import CostCalibrator
 from lightning_hydra.strategy.sizing import check_sizing
 
-__all__ = ["all_gather_single", "check_arguments", "check_digests", "check_fits", "check_heads"]
+__all__ = [
+    "DigestMismatch",
+    "agree_step",
+    "all_gather_single",
+    "check_arguments",
+    "check_digests",
+    "check_fits",
+    "check_heads",
+    "digest_word",
+]
 
 
 def check_arguments(*, cost: Any, calibrate: Any, calibration: Any, monitor: Any, timeout: Any) -> None:
@@ -42,11 +52,80 @@ def check_heads(num_heads: int | None, max_ulysses: int | None) -> None:
         )
 
 
+class DigestMismatch(RuntimeError):
+    """The ranks hold different plans of one step (raised on every rank alike)."""
+
+
+def digest_word(digest: str) -> int:
+    """The int64 a plan digest (hex) contributes to the step's checks: its first 60 bits."""
+    return int(digest[:15], 16)
+
+
+def agree_step(
+    digest: str | None,
+    *,
+    device: torch.device,
+    world_size: int,
+    error: BaseException | None = None,
+    stop: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> bool:
+    """The step's control all-reduce: every rank's plan digest, data error flag and SIGTERM flag in one
+    ``all_reduce(MAX)`` of ``[error, stop, digest, -digest]`` (int64; :func:`~lightning_hydra.schedule.control_words`
+    values), read to the host once. Call it on every rank at the start of a step, before the step's other
+    collectives. On the rare paths every rank takes the same further collectives and raises the same error (no
+    hang): a data error on any rank raises the failing rank's message, after gathering the messages; disagreeing
+    digests (``max(digest) != -max(-digest)``) raise :class:`DigestMismatch` naming the ranks that disagree with rank 0,
+    after gathering the digests.
+
+    Args:
+        digest: This rank's plan digest (hex); ``None`` where planning or reading failed (``error`` given).
+        device: Device of the exchanged tensor: the backend's (CUDA for nccl).
+        world_size: Ranks of ``group`` (1: nothing is exchanged).
+        error: What planning or reading this step's data raised on this rank (``None``: nothing).
+        stop: This process received SIGTERM.
+        group: Process group (default: the world).
+
+    Returns:
+        Whether any rank received SIGTERM.
+
+    Raises:
+        ConfigError: Planning or reading the step's data failed on some rank: that rank's message (the lowest such
+            rank's) and every failing rank.
+        DigestMismatch: The ranks' plan digests differ.
+    """
+    if world_size == 1:
+        if error is not None:
+            raise ConfigError(_error_message(error)) from error
+        return stop
+    word = digest_word(digest) if digest is not None and error is None else 0
+    mine = [int(error is not None), int(stop), word, -word]
+    values = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    failed, stopped, high, low = values.tolist()  # the step's one read to the host
+    if failed:
+        out: list[Any] = [None] * world_size
+        dist.all_gather_object(out, None if error is None else _error_message(error), group=group)
+        found = [(r, m) for r, m in enumerate(out) if m is not None]
+        ranks = ", ".join(str(r) for r, _ in found)
+        raise ConfigError(f"{found[0][1]} (found by rank{'s' * (len(found) > 1)} {ranks})") from error
+    if high != -low:
+        check_digests(digest or "0", world_size, device=device, group=group)  # names the ranks; raises
+        raise DigestMismatch("plan digests differ across ranks")  # not reached: the gather saw them differ
+    return bool(stopped)
+
+
+def _error_message(error: BaseException) -> str:
+    """A data error as one line: a ``ValueError``'s message (what the data checks raise), else its repr."""
+    return str(error) if isinstance(error, ValueError) else repr(error)
+
+
 def check_digests(
     digest: str, world_size: int, *, device: torch.device, group: dist.ProcessGroup | None = None
 ) -> None:
-    """All-gather a plan digest and raise ``RuntimeError`` naming the ranks that disagree with rank 0 (no hang:
-    every rank takes part and every rank raises).
+    """All-gather a plan digest and raise :class:`DigestMismatch` naming the ranks that disagree with rank 0 (no
+    hang: every rank takes part and every rank raises). A step checks its digest in :func:`agree_step`, which calls
+    this only when the digests differ.
 
     Args:
         digest: This rank's plan digest (hex).
@@ -54,13 +133,13 @@ def check_digests(
         device: Device of the exchanged tensor: the backend's (CUDA for nccl).
         group: Process group (default: the world).
     """
-    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
+    mine = torch.tensor([digest_word(digest)], dtype=torch.int64, device=device)
     gathered = torch.zeros(world_size, dtype=torch.int64, device=device)
     all_gather_single(gathered, mine, group=group)
     values = gathered.tolist()
     odd = [r for r, v in enumerate(values) if v != values[0]]
     if odd:
-        raise RuntimeError(
+        raise DigestMismatch(
             f"plan digests differ across ranks: ranks {odd} disagree with rank 0. Every rank must see the same "
             "dataset, seed, planner settings and cost model"
         )

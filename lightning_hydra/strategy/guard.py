@@ -3,14 +3,19 @@
 **SIGTERM** (SLURM's signal before preemption or the time limit, ``kill``, ``torchrun`` stopping its workers).
 Lightning 2.6's handler runs a ``broadcast`` inside the signal handler; a rank interrupted inside another collective
 (a CP all-to-all, a ring step, the gradient sum) then posts a mismatched collective and every rank hangs. Here the
-handler only records the signal (and forwards it to the ranks this process launched). At the next step boundary
-(the end of a training or validation batch, where every rank is in the same place) the ranks agree with one
-``all_reduce(MAX)`` of the flag; if any rank was signalled, all of them save a checkpoint (when a
-``ModelCheckpoint`` is configured: ``<its dirpath>/last.ckpt``, which ``--ckpt_path last`` resumes) and stop with
-exit status 143 (128 + SIGTERM) on each node's first process, 0 on the others. A watchdog ends the process after
-``grace_seconds`` if no step boundary comes: never a hang. Python runs a signal handler only when the main thread
-returns to the interpreter, which a rank blocked inside a collective never does; the watchdog is therefore woken
-through :func:`signal.set_wakeup_fd`, which the interpreter's C-level handler writes at once, from any state.
+handler only records the signal (and forwards it to the ranks this process launched). Under
+:class:`~lightning_hydra.HydraStrategy` the flag travels in the next step's control all-reduce (the step's check, its
+first operation: the plan digest and the data error and SIGTERM flags in one ``all_reduce``, read to the host once);
+if any rank was signalled, every rank stops there, before anything else of that step runs (with another strategy the
+ranks agree at the end of each training or validation batch with one ``all_reduce(MAX)`` of the flag): all of them
+save a checkpoint (when a ``ModelCheckpoint`` is configured: ``<its dirpath>/last.ckpt``, which ``--ckpt_path last``
+resumes; the state after the last whole step) and stop with exit status 143 (128 + SIGTERM) on each node's first
+process, 0 on the others. Lightning's own per-batch broadcast of its SIGTERM flag (a collective and a host read at
+every training batch, its flag never set once this handler replaced Lightning's) is turned off for the run. A
+watchdog ends the process after ``grace_seconds`` if no step boundary comes: never a hang. Python runs a signal
+handler only when the main thread returns to the interpreter, which a rank blocked inside a collective never does; the
+watchdog is therefore woken through :func:`signal.set_wakeup_fd`, which the interpreter's C-level handler writes at
+once, from any state.
 
 **A run that fails before it starts** (bad data found at set-up, an error in ``configure_model``) leaves no empty
 ``version_N`` directory: global rank 0 removes the log directory it had just created, if it holds nothing but what
@@ -19,6 +24,7 @@ the loggers and the command line write at set-up.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -44,6 +50,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_hydra.errors import check_number
+from lightning_hydra.strategy.runtime import HydraRuntime
 
 __all__ = ["SIGTERM_EXIT", "RunGuard", "remove_setup_only_dirs"]
 
@@ -124,6 +131,13 @@ class RunGuard(Callback):
         self._trainer = trainer
         if threading.current_thread() is not threading.main_thread():
             return
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if isinstance(runtime, HydraRuntime):  # the steps' checks carry the flag; a check that finds it stops here
+            runtime.stop_requested = self.requested
+            runtime.stop = None if trainer.sanity_checking else functools.partial(self._stop, trainer)
+            loop = trainer.fit_loop.epoch_loop
+            if hasattr(loop, "_broadcast_sigterm_tensor"):  # Lightning >= 2.5: a broadcast and a read per batch
+                loop._broadcast_sigterm_tensor = self._lightning_flag
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if self._wakeup is None:
             reader, writer = socket.socketpair()
@@ -136,7 +150,22 @@ class RunGuard(Callback):
             self._wakeup = (reader, writer)
             threading.Thread(target=self._listen, args=(reader,), name="hydra-sigterm-listener", daemon=True).start()
 
+    def _listening(self, trainer: pl.Trainer) -> HydraRuntime | None:
+        """The strategy's runtime, if its steps' checks carry this guard's flag (a
+        :class:`~lightning_hydra.HydraStrategy`'s), else ``None``."""
+        runtime = getattr(trainer.strategy, "runtime", None)
+        return runtime if isinstance(runtime, HydraRuntime) and runtime.stop_requested is self.requested else None
+
+    def _lightning_flag(self) -> None:
+        """Stands in for Lightning's per-batch broadcast of its SIGTERM flag: a flag Lightning's handler set before
+        this guard replaced it is this guard's request (the step's check agrees on it)."""
+        if self._trainer is not None and getattr(self._trainer, "received_sigterm", False):
+            self._requested(signal.SIGTERM)
+
     def _uninstall(self) -> None:
+        loop = getattr(getattr(self._trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is not None and vars(loop).get("_broadcast_sigterm_tensor") == self._lightning_flag:
+            del loop._broadcast_sigterm_tensor  # Lightning's method again
         if self._wakeup is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
             for sock in self._wakeup:
@@ -184,13 +213,24 @@ class RunGuard(Callback):
         os._exit(SIGTERM_EXIT)
 
     def _agree_and_stop(self, trainer: pl.Trainer) -> None:
-        """At a step boundary: stop every rank if any received SIGTERM (one ``all_reduce`` per batch)."""
-        strategy = trainer.strategy
-        flag = torch.tensor([1 if self.requested.is_set() else 0], dtype=torch.int32, device=strategy.root_device)
+        """At a step's end, with a strategy whose steps do not carry the flag: stop every rank if any received
+        SIGTERM (one ``all_reduce`` per batch). Under :class:`~lightning_hydra.HydraStrategy` nothing: the next
+        step's check agrees on the flag and calls :meth:`_stop`."""
+        if self._listening(trainer) is not None:
+            return
+        flag = torch.tensor(
+            [1 if self.requested.is_set() else 0], dtype=torch.int32, device=trainer.strategy.root_device
+        )
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not int(flag.item()):
-            return
+        if int(flag.item()):
+            self._stop(trainer)
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        """Every rank, once the ranks agreed that one received SIGTERM (at a step's end, or in the next step's check
+        before anything else of that step ran): save ``last.ckpt`` where a checkpoint callback is configured, then
+        raise ``SIGTERMException`` (exit status 143 on each node's first process, 0 on the others)."""
+        strategy = trainer.strategy
         self.requested.set()
         checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
         where = "; no checkpoint callback is configured: nothing was saved"

@@ -15,10 +15,11 @@ from torch import nn
 
 from lightning_hydra.cp import CPGroup, GroupCache
 from lightning_hydra.cp.groups import aligned_blocks
+from lightning_hydra.data.datamodule import FailedStep
 from lightning_hydra.metrics.record import StepGather
 from lightning_hydra.planner import BatchPlanner, CostModel, Group
 from lightning_hydra.schedule import StepLayout
-from lightning_hydra.strategy.checks import all_gather_single, check_digests, check_fits
+from lightning_hydra.strategy.checks import agree_step, all_gather_single, check_fits
 from lightning_hydra.strategy.gradients import GradientReducer
 from lightning_hydra.strategy.pipeline import PipelineLayout
 from lightning_hydra.strategy.runtime import GradientSync, HydraRuntime
@@ -183,12 +184,29 @@ class PoolRuntime(HydraRuntime):
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, batch: Any) -> None:
-        """Check the plan digest on every rank, then make sure its groups' communicators exist (collectively; in
-        steady state none is created)."""
+        """The step's control all-reduce over the world, every stage and TP rank (:func:`~lightning_hydra.strategy.
+        checks.agree_step`: the plan digest, a data error on any rank, SIGTERM on any rank; one read to the host),
+        then make sure the plan's groups' communicators exist (collectively; in steady state none is created).
+
+        Args:
+            batch: The step's :class:`~lightning_hydra.data.packing.StepBatch`, or the
+                :class:`~lightning_hydra.data.datamodule.FailedStep` of a rank whose planning or reading failed
+                (every rank then raises its error here).
+        """
+        failed = batch if isinstance(batch, FailedStep) else None
         world = getattr(batch, "world_size", self.world_size)
-        if world != self.world_size:
+        if failed is None and world != self.world_size:
             raise RuntimeError(f"the batch was planned for {world} ranks, but the pool has {self.world_size}")
-        check_digests(batch.digest, self.layout.world_size, device=self.device)  # every stage: the same plan
+        stopping = self.stop_requested is not None and self.stop_requested.is_set()
+        if agree_step(
+            None if failed is not None else batch.digest,
+            device=self.device,
+            world_size=self.layout.world_size,
+            error=None if failed is None else failed.error,
+            stop=stopping,
+        ):
+            self.stop_agreed = True
+        assert failed is None, "agree_step raises on every rank when a rank's step failed"
         made = self.cache.prepare(Group(copy, g.ulysses, g.ring) for g in batch.groups for copy in self.copies(g.ranks))
         if made:
             log.warning("HydraStrategy created %d communicators inside a step (a plan used an unaligned block)", made)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -156,6 +157,15 @@ class HydraRuntime(ABC):
         """Global rank of this stage's pool position 0."""
         self.comm_clock = CommClock.for_device(device)
         """Times this rank's CP collectives (CUDA events on GPU, the host clock on CPU), read once per step."""
+        self.stop_requested: threading.Event | None = None
+        """Set when this process received SIGTERM (a :class:`~lightning_hydra.strategy.guard.RunGuard` hands its event
+        over); the next step's check (:meth:`begin_step`) tells every rank. ``None``: nobody listens."""
+        self.stop_agreed = False
+        """Some rank received SIGTERM: a step's check found its flag, on every rank alike."""
+        self.stop: Callable[[], None] | None = None
+        """What a step does when its check found that some rank received SIGTERM, before anything else of the step
+        runs and once its list has unwound (the guard's: save a checkpoint, raise ``SIGTERMException``); ``None``:
+        the step runs on (a sanity check's)."""
 
     # ------------------------------------------------------------------ the model and its cost
     def bind(self, module: nn.Module) -> None:
@@ -212,7 +222,10 @@ class HydraRuntime(ABC):
     # ------------------------------------------------------------------ per step (main thread, every rank)
     @abstractmethod
     def begin_step(self, batch: Any) -> None:
-        """Check that every rank holds the same plan and that its groups' communicators exist."""
+        """The step's check (its first operation): every rank holds the same plan, no rank's planning or reading of
+        the step failed (a :class:`~lightning_hydra.data.datamodule.FailedStep` on some rank: every rank raises its
+        error), whether any rank received SIGTERM (:attr:`stop_agreed`); then that the plan's groups' communicators
+        exist."""
 
     @abstractmethod
     def group(self, record: Group) -> CPGroup:
@@ -379,7 +392,9 @@ class LocalRuntime(HydraRuntime):
         """Anything fits one process (memory permitting)."""
 
     def begin_step(self, batch: Any) -> None:
-        """Nothing to agree on with one process."""
+        """Nothing to agree on with one process (SIGTERM: this process's own flag)."""
+        if self.stop_requested is not None and self.stop_requested.is_set():
+            self.stop_agreed = True
 
     def group(self, record: Group) -> CPGroup:
         """The local degree-1 group."""

@@ -1,13 +1,16 @@
 """Execute one rank's operation list of a step (:mod:`lightning_hydra.schedule`): the runtime derives no order.
 
 :class:`StepRunner` asks the runtime for this rank's list (:meth:`~lightning_hydra.strategy.runtime.HydraRuntime.
-program`) and runs it operation by operation: the plan's digest check, the FSDP gathers, every forward, backward
-and pipeline exchange in the list's order (a zero-token pass where the list says so), the gradient sum, the loss
-sum, the measurement gather, the cost model's broadcast and the gradient norm. An observer (a test's recorder of
-``torch.distributed`` calls, :mod:`lightning_hydra.strategy.recorder`) is told which operation runs; the runtime's
+program`) and runs it operation by operation: the step's check (one control all-reduce of the plan digest and the
+data error and SIGTERM flags), the FSDP gathers, every forward, backward and pipeline exchange in the list's order
+(a zero-token pass where the list says so), the gradient sum, the loss sum, the measurement gather, the cost model's
+broadcast and the gradient norm. An observer (a test's recorder of ``torch.distributed`` calls,
+:mod:`lightning_hydra.strategy.recorder`) is told which operation runs; the runtime's
 :class:`~lightning_hydra.strategy.watchdog.Watchdog` reports an operation that runs too long, on every stuck rank;
 and a failure inside an operation is raised again with the rank and the operation it was in, so a collective that
-times out says where.
+times out says where. The check's own errors (a data error on some rank, plans that differ) are raised as they are:
+every rank raises the same one. When the check finds that some rank received SIGTERM, nothing else of the step runs
+and the runtime's ``stop`` (the guard's: save, stop) is called once the list has unwound.
 
 **Pipeline exchanges.** Each exchange is one ``batch_isend_irecv`` with the neighbour it names, on the pipeline's own
 communicator (the runtime's ``pipe_group``: no ring transfer or bucket sum queues behind a send). Shapes come from the
@@ -26,9 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_hydra.errors import ConfigError
 from lightning_hydra.metrics.record import StepRecord
 from lightning_hydra.metrics.timing import OpTimer, StepTiming
 from lightning_hydra.schedule import Op
+from lightning_hydra.strategy.checks import DigestMismatch
 from lightning_hydra.strategy.pipeline import wire_dtype
 
 __all__ = ["StepFailure", "StepRunner", "describe_program"]
@@ -161,6 +166,7 @@ class StepRunner:
             self.sync.begin()
         if observer is not None:
             observer.begin(self.program)
+        stopping = False
         try:
             for index, op in enumerate(self.program):
                 if observer is not None:
@@ -169,19 +175,28 @@ class StepRunner:
                     try:
                         getattr(self, f"_{op.kind}")(op)
                     except Exception as exc:
+                        if op.kind == "check" and isinstance(exc, (ConfigError, DigestMismatch)):
+                            raise  # the step's check: every rank raises the same error (the data's, or the plans')
                         raise StepFailure(
                             f"rank {runtime.world_rank} failed in {op.describe()} (operation {index} of "
                             f"{len(self.program)} of its step): {type(exc).__name__}: {exc}"
                         ) from exc
+                if op.kind == "check" and runtime.stop_agreed and runtime.stop is not None:
+                    stopping = True  # some rank received SIGTERM: nothing else of this step runs, on any rank
+                    break
         finally:
             if observer is not None:
                 observer.end()
+        if stopping:
+            runtime.stop()  # saves and raises SIGTERMException
+            raise RuntimeError("the runtime's stop returned: a step stopped by SIGTERM cannot go on")
         assert self.loss is not None, "a step list without a loss sum"
         return self.loss
 
     # ------------------------------------------------------------------ operations
     def _check(self, op: Op) -> None:
-        self.runtime.begin_step(self.batch)  # synchronises the pool: the step's wall clock starts here
+        # the step's control all-reduce, read once: synchronises the pool, so the step's wall clock starts here
+        self.runtime.begin_step(self.batch)
         self.start = time.perf_counter()
 
     def _gather(self, op: Op) -> None:
