@@ -1,8 +1,9 @@
 """A step's boundary costs one host read and one small control all-reduce: the plan digest check, a data error on
 any rank and SIGTERM on any rank travel in one ``all_reduce`` read once, at the step's start (issue 55, item 6).
 
-Host reads are counted on CPU ranks as a stand-in for CUDA: ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.cpu``
-called from this package's code (each a device-to-host synchronisation on a GPU); not run on a GPU."""
+Host reads are counted on CPU ranks as a stand-in for CUDA: ``Tensor.item``, ``tolist``, ``cpu`` and the conversions
+to Python numbers and truth values, called from any code but the tests' (each a device-to-host synchronisation on a
+GPU), Lightning's conversion of the values a module logs to the progress bar aside; not run on a GPU."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from lightning_hydra.strategy.recorder import CollectiveRecorder
 from lightning_hydra.testing import quiet_trainer, run_world
 from tests.test_collective_order import make_dataset, make_model, strategy_of
 
-_READS = ("item", "tolist", "cpu")
-"""The host reads counted (each a synchronisation with a CUDA device)."""
+_READS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "__index__")
+"""The host reads counted (each a synchronisation with a CUDA device): ``float(t)``, ``int(t)`` and ``if t:`` call the
+dunder methods, not ``item``."""
 
 _LOGGING = os.path.join("fabric", "utilities", "apply_func.py")
 """Lightning's conversion of the values a module logs to the progress bar (``convert_tensors_to_scalars``): a read per
