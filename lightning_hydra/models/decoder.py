@@ -275,6 +275,9 @@ class DecoderLM(HydraModule):
         std = float(self.hparams.init_std)
 
         def normal(t: torch.Tensor, generator: torch.Generator) -> None:
+            if t.dtype == torch.float32:  # drawn in place: no second full-size copy
+                t.normal_(0.0, std, generator=generator)
+                return
             t.copy_(torch.empty(t.shape, dtype=torch.float32, device=t.device).normal_(0.0, std, generator=generator))
 
         def ones(t: torch.Tensor, generator: torch.Generator) -> None:

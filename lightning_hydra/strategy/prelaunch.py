@@ -317,3 +317,19 @@ class SpawnLauncher(CheckedMultiProcessingLauncher):
             strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(None, weights_path, trainer.state, results, extra)
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        """Lightning's, except that a model the main process holds on the meta device (built with
+        ``init_device="meta"`` or from pretrained weights: only the ranks allocated it) takes the trained weights'
+        tensors as its own (``assign``) instead of copying into meta tensors, a no-op that warns once per tensor."""
+        from lightning_hydra.models.init import is_meta
+
+        module = trainer.lightning_module
+        if worker_output.weights_path is None or not is_meta(module):
+            super()._recover_results_in_main_process(worker_output, trainer)
+            return
+        weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+        module.load_state_dict(weights, strict=False, assign=True)
+        self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
