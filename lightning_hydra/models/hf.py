@@ -8,6 +8,7 @@ Packed bins are one batch row with true per-document positions; documents never 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from typing_extensions import override
 
 from lightning_hydra.cp.context import CPContext
 from lightning_hydra.data.packing import IGNORE_INDEX, RankMicrobatch
+from lightning_hydra.errors import ConfigError
 from lightning_hydra.models.losses import chunked_cross_entropy
 from lightning_hydra.models.module import HydraModule
 from lightning_hydra.models.stages import keep_stage_layers
@@ -173,6 +175,31 @@ def unsupported_attention(model: PreTrainedModel) -> str | None:
     return None
 
 
+def _pretrained_on_meta(path: str, overrides: dict[str, Any] | None) -> PreTrainedModel:
+    """The directory's model (config with ``overrides``) built on the meta device in float32 (the master weights'
+    dtype, whatever the files hold), its weights' shapes checked against the config."""
+    from lightning_hydra.models.pretrained import check_pretrained_dir, check_weights, read_config
+
+    where = check_pretrained_dir(path)
+    try:
+        config = read_config(where, overrides)
+    except (ValueError, KeyError, TypeError) as error:
+        refused = f"pretrained={path!r}: its config (with overrides {overrides or {}}) is refused: {error}"
+        raise ConfigError(refused) from None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    unknown = sorted(_rope_types(config) - set(ROPE_INIT_FUNCTIONS) - {"default"})
+    if unknown:
+        raise ConfigError(
+            f"pretrained={path!r}: unknown rope_type {', '.join(unknown)} (transformers knows default, "
+            f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    check_weights(model, where)
+    return model
+
+
 def apply_hf(model: PreTrainedModel, context: CPContext) -> int:
     """Route ``model``'s attention through the CP engine; returns how many attention modules were wrapped.
 
@@ -222,13 +249,16 @@ def remove_hf(model: PreTrainedModel) -> None:
 
 
 class HFCausalLM(HydraModule):
-    """A Hugging Face causal LM (built from a config: no download) as a :class:`HydraModule`."""
+    """A Hugging Face causal LM as a :class:`HydraModule`: built from a config (random weights, no download), or
+    from a local pretrained directory's weights (:meth:`from_pretrained`, ``pretrained=``), which each rank reads
+    slice by slice after the strategy has laid the model out (:mod:`lightning_hydra.models.pretrained`)."""
 
     def __init__(
         self,
         model: PreTrainedModel | None = None,
         *,
         config: PretrainedConfig | dict | None = None,
+        pretrained: str | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -239,8 +269,17 @@ class HFCausalLM(HydraModule):
         """Wrap a Hugging Face causal language model.
 
         Args:
-            model: A causal LM instance; or ``None`` to build one from ``config``.
-            config: A ``PretrainedConfig`` or a dict with ``model_type`` (for example ``{"model_type": "llama", ...}``).
+            model: A causal LM instance; or ``None`` to build one from ``config`` or ``pretrained``.
+            config: A ``PretrainedConfig`` or a dict with ``model_type`` (for example ``{"model_type": "llama", ...}``);
+                with ``pretrained``, a dict of overrides of the directory's config (``rope_theta``, ``rope_scaling``
+                such as ``{"rope_type": "llama3", ...}``, ``max_position_embeddings``, ...; see
+                :func:`~lightning_hydra.models.pretrained.read_config`).
+            pretrained: A local Hugging Face checkpoint directory (``config.json`` and ``*.safetensors``): the model
+                is built on the meta device and takes these weights when it is materialised (by
+                :class:`~lightning_hydra.HydraStrategy` after its layout, each rank reading only its slices; in one
+                process by ``configure_model`` or :meth:`materialize`). Bad input (not such a directory, weights
+                that disagree with the config, attention the CP engine refuses) is a one-line
+                :class:`~lightning_hydra.errors.ConfigError` here, before any rank starts.
             lr: Learning rate.
             weight_decay: AdamW weight decay.
             warmup_steps: Linear warm-up steps.
@@ -257,9 +296,17 @@ class HFCausalLM(HydraModule):
             optimizer=optimizer,
             flops_per_second=flops_per_second,
         )
-        if model is None:
+        self.pretrained = pretrained
+        """The pretrained directory whose weights :meth:`materialize` loads (``None``: built from a config)."""
+        if pretrained is not None:
+            if model is not None:
+                raise ConfigError("HFCausalLM takes a model or pretrained=, not both")
+            if config is not None and not isinstance(config, dict):
+                raise ConfigError("with pretrained=, config is a dict of overrides of the directory's config.json")
+            model = _pretrained_on_meta(pretrained, config)
+        elif model is None:
             if config is None:
-                raise ValueError("HFCausalLM needs a model or a config")
+                raise ValueError("HFCausalLM needs a model, a config or pretrained=")
             if isinstance(config, dict):
                 config = AutoConfig.for_model(**config)
             model = AutoModelForCausalLM.from_config(config)
@@ -274,7 +321,40 @@ class HFCausalLM(HydraModule):
         self._stages: tuple[int, int] | None = None
         self._stage_factor = 1.0
         """The factor on the last stage's logits (:meth:`_linear_head`)."""
-        apply_hf(self.model, self.local_cp)
+        try:
+            apply_hf(self.model, self.local_cp)
+        except ValueError as error:
+            if pretrained is None:
+                raise
+            raise ConfigError(str(error)) from None  # the refusal of the same model built from its config
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> HFCausalLM:
+        """``HFCausalLM(pretrained=path, ...)``: keyword arguments that the constructor takes (``lr``,
+        ``optimizer``, ...) go to it, every other one overrides the directory's config (``rope_theta=...``,
+        ``rope_scaling={"rope_type": "yarn", ...}``, ``max_position_embeddings=...``).
+
+        Args:
+            path: A local Hugging Face checkpoint directory.
+            **kwargs: Constructor arguments and config overrides.
+        """
+        own = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "config", "pretrained"}
+        overrides = {k: v for k, v in kwargs.items() if k not in own}
+        return cls(pretrained=path, config=overrides or None, **{k: v for k, v in kwargs.items() if k in own})
+
+    @override
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate the meta-built model on ``device`` (laid out or not) and fill it from :attr:`pretrained`, each
+        rank reading only the slices of the shards it holds (:func:`~lightning_hydra.models.pretrained.
+        load_pretrained`); without a pretrained directory, :meth:`init_weights` (which HFCausalLM lacks)."""
+        if self.pretrained is None:
+            super().materialize(device)
+            return
+        from lightning_hydra.models.init import to_empty_keeping_ties
+        from lightning_hydra.models.pretrained import load_pretrained
+
+        to_empty_keeping_ties(self, device)
+        load_pretrained(self.model, self.pretrained)
 
     def _linear_head(self) -> tuple[nn.Linear, float] | None:
         """``(head, factor)`` when the model's logits are exactly ``factor * head(last_hidden_state)``, so the loss

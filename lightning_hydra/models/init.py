@@ -20,7 +20,16 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["draw_seed", "fill_", "is_meta", "local_part", "param_seed", "peak_memory", "reset_peak_memory"]
+__all__ = [
+    "draw_seed",
+    "fill_",
+    "is_meta",
+    "local_part",
+    "param_seed",
+    "peak_memory",
+    "reset_peak_memory",
+    "to_empty_keeping_ties",
+]
 
 
 def draw_seed() -> int:
@@ -42,6 +51,22 @@ def is_meta(module: nn.Module) -> bool:
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
+
+
+def to_empty_keeping_ties(module: nn.Module, device: torch.device | str) -> None:
+    """``module.to_empty(device=device)``, then the parameters that were one parameter under several names (a tied
+    output head) made one again: moving off the meta device makes a new parameter for every name."""
+    first: dict[int, str] = {}
+    ties = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    module.to_empty(device=device)
+    for name, source in ties:
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner), attr, module.get_parameter(source))
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

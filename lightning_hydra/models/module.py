@@ -196,7 +196,9 @@ class HydraModule(pl.LightningModule):
         """Allocate a model built on the meta device (laid out or not) on ``device`` and fill it: ``to_empty``, then
         :meth:`init_weights` (a pretrained model loads its weights instead). :class:`~lightning_hydra.HydraStrategy`
         calls it after laying the model out; in one process, Lightning's ``configure_model`` or the caller does."""
-        self.to_empty(device=device)
+        from lightning_hydra.models.init import to_empty_keeping_ties
+
+        to_empty_keeping_ties(self, device)
         self.init_weights()
 
     @override

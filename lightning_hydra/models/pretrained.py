@@ -5,10 +5,11 @@
 or ``linear``, ``max_position_embeddings``), checks the safetensors headers against the config (names and shapes,
 nothing read beyond the headers) and builds the model on the ``meta`` device. :class:`~lightning_hydra.HydraStrategy`
 lays it out (pipeline stage, tensor parallelism, FSDP2), allocates each rank's shards on its device and calls
-:func:`load_pretrained`: ``torch.distributed.checkpoint.load`` with its ``HuggingFaceStorageReader``, which reads
-every requested chunk as a slice of the memory-mapped safetensors file (``safe_open(...).get_slice``), so a rank
-reads its TP and FSDP shards of its stage's tensors and nothing else, converting them to the parameters' dtype as it
-copies. Non-persistent buffers (the rotary tables) are computed again by transformers' own ``_init_weights``.
+:func:`load_pretrained`, which reads for every tensor the slice of the full tensor that the rank holds (by torch's
+shard arithmetic, :func:`local_slice`) with ``safe_open(...).get_slice(name)[index]`` from the memory-mapped
+safetensors file: a rank reads its TP and FSDP shards of its stage's tensors and nothing else, converting them to
+the parameters' dtype as it copies. Non-persistent buffers (the rotary tables) are computed again by
+transformers' own ``_init_weights``.
 
 Bad input is one line, raised where the module is built (before any rank starts): a directory without
 ``config.json`` or safetensors weights, weights whose names or shapes disagree with the config, and (through
@@ -31,9 +32,11 @@ __all__ = [
     "check_weights",
     "generation_config",
     "load_pretrained",
+    "local_slice",
     "read_config",
     "reinit_buffers",
     "safetensors_shapes",
+    "weight_files",
 ]
 
 
@@ -135,21 +138,76 @@ def check_weights(model: nn.Module, path: str | Path) -> None:
             )
 
 
-def load_pretrained(model: nn.Module, path: str | Path) -> None:
-    """Fill ``model`` (a ``transformers`` model, laid out and allocated: plain tensors, or DTensor shards under
-    tensor parallelism and FSDP2; a pipeline stage's layers) from the directory's safetensors files, each rank
-    reading the slices it holds (collective when a process group is initialised: the read plans are exchanged)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+def weight_files(path: str | Path) -> dict[str, Path]:
+    """Which safetensors file of the directory holds each tensor (``model.safetensors.index.json``'s weight map
+    where there is one, else every file's header)."""
+    from safetensors import safe_open
 
+    where = Path(path)
+    index = where / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: where / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = {}
+    for file in sorted(where.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    return files
+
+
+def local_slice(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The index of the part of the full tensor that ``tensor`` holds on this rank: everything for a plain tensor,
+    the local shard's offsets and shape for a DTensor (tensor parallelism, FSDP2, both), by torch's own shard
+    arithmetic (as :func:`~lightning_hydra.models.init.local_part` cuts a drawn tensor)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return tuple(slice(0, n) for n in tensor.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def load_pretrained(model: nn.Module, path: str | Path) -> int:
+    """Fill ``model`` (a ``transformers`` model, laid out and allocated: plain tensors, or DTensor shards under
+    tensor parallelism and FSDP2; a pipeline stage's layers) from the directory's safetensors files, reading for
+    each tensor only the slice this rank holds (``safe_open(...).get_slice(name)[index]``, from the memory-mapped
+    file), converted to the tensor's dtype as it is copied into its place. A tied output head takes the embedding's
+    values through the tie (transformers saves the tensor once); the non-persistent buffers (rotary tables) are
+    computed again (:func:`reinit_buffers`). Not collective: every rank reads on its own. Returns the bytes read.
+
+    Raises:
+        ConfigError: The files lack a tensor that the model holds (and that is not tied to another).
+    """
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    files = weight_files(path)
     tied = _tied_names(model)
-    state = {k: v for k, v in get_model_state_dict(model).items() if k not in tied}
-    distributed = dist.is_available() and dist.is_initialized()
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not distributed)
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    done: set[int] = set()
+    read = 0
+    with ExitStack() as stack, torch.no_grad():
+        handles: dict[Path, Any] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in done:
+                continue
+            if name not in files:
+                if name in tied:
+                    continue  # loaded under the name it is tied to
+                raise ConfigError(f"pretrained={str(path)!r}: the weights have no {name}")
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            part = (
+                handles[file].get_slice(name)[local_slice(tensor)] if tensor.dim() else handles[file].get_tensor(name)
+            )
+            local.copy_(part.reshape(local.shape))
+            read += part.numel() * part.element_size()
+            done.add(id(tensor))
+            del part
     reinit_buffers(model)
+    return read
 
 
 def reinit_buffers(model: nn.Module) -> None:

@@ -1,0 +1,155 @@
+"""Pretrained Hugging Face weights in (issue 54, item 1): ``HFCausalLM.from_pretrained(path, **overrides)`` builds
+on the meta device, the strategy lays the model out and each rank reads only its slices of the safetensors files.
+A tiny Llama saved with ``save_pretrained`` trains under TP 2 x zero3 and PP 2 x pool 2 on 4 gloo ranks exactly as
+transformers' own ``from_pretrained`` model in one process; bad input is one line before any rank starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from lightning_hydra.errors import ConfigError
+from lightning_hydra.models.hf import HFCausalLM
+from lightning_hydra.models.init import is_meta
+from tests.test_tensor import _fit, _strategy
+
+SHAPE = dict(
+    vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512,
+)  # fmt: skip
+
+
+def _save(path: Path, model: torch.nn.Module) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A tiny untied Llama saved by transformers (float32 safetensors)."""
+    torch.manual_seed(5)
+    return _save(tmp_path_factory.mktemp("llama"), LlamaForCausalLM(LlamaConfig(**SHAPE)))
+
+
+def _transformers(path: Path, **overrides) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **overrides)
+
+
+def test_loads_transformers_weights_in_one_process(llama: Path, tmp_path: Path) -> None:
+    """Built on the meta device, materialised whole: every tensor (rotary tables included) is what transformers'
+    ``from_pretrained`` gives; a tied head is the embedding itself, as transformers ties it."""
+    module = HFCausalLM.from_pretrained(str(llama), lr=0.5, optimizer="sgd")
+    assert module.lr == 0.5 and is_meta(module)
+    module.materialize("cpu")
+    assert not is_meta(module)
+    expected = _transformers(llama).state_dict() | dict(_transformers(llama).named_buffers())
+    got = module.model.state_dict() | dict(module.model.named_buffers())
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    torch.manual_seed(6)
+    tied = _save(tmp_path / "tied", LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=True)))
+    module = HFCausalLM(pretrained=str(tied))
+    module.materialize("cpu")
+    reference = _transformers(tied)
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    assert torch.equal(module.model.lm_head.weight, reference.lm_head.weight)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"rope_theta": 20000.0},
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "max_position_embeddings": 2048},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 512}, "max_position_embeddings": 4096},
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+         "max_position_embeddings": 2048, "rope_theta": 50000.0},
+    ],
+    ids=["theta", "linear", "llama3", "yarn"],
+)  # fmt: skip
+def test_config_overrides_change_the_rotary_tables(llama: Path, overrides: dict) -> None:
+    """A context extension's overrides reach the rotary embedding: its tables and scaling equal those of
+    transformers' model built from the same config written out by hand (``rope_parameters`` with the theta)."""
+    module = HFCausalLM.from_pretrained(str(llama), **overrides)
+    module.materialize("cpu")
+    scaling = dict(overrides.get("rope_scaling") or {"rope_type": "default"})
+    scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type"))
+    rope = {**scaling, "rope_theta": overrides.get("rope_theta", 10000.0)}
+    shape = {**SHAPE, "max_position_embeddings": overrides.get("max_position_embeddings", 512)}
+    expected = LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=rope)).model.rotary_emb
+    rotary = module.model.model.rotary_emb
+    assert module.model.config.max_position_embeddings == shape["max_position_embeddings"]
+    assert rotary.rope_type == rope["rope_type"]
+    torch.testing.assert_close(rotary.inv_freq, expected.inv_freq, rtol=0, atol=0)
+    assert rotary.attention_scaling == pytest.approx(expected.attention_scaling)
+    assert not torch.equal(rotary.inv_freq, _transformers(llama).model.rotary_emb.inv_freq)
+
+
+def test_bad_pretrained_input_is_one_line(llama: Path, tmp_path: Path) -> None:
+    """Not a checkpoint directory, weights whose shapes disagree with the (overridden) config, a rotary type or an
+    architecture the CP engine refuses: one ``ConfigError`` line each, raised where the module is built; the
+    refusals are word for word those of the same model built from its config."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((llama / "config.json").read_text())
+    cases = [
+        (tmp_path / "missing", {}, "is not a directory"),
+        (tmp_path / "empty", {}, "is not a Hugging Face checkpoint directory: it has no config.json"),
+        (tmp_path / "bare", {}, r"has no \*.safetensors weights"),
+        (llama, {"intermediate_size": 96}, r"gate_proj.weight has shape \[64, 32\] in the weights, \[96, 32\] by"),
+        (llama, {"rope_scaling": {"rope_type": "yarn"}}, r"is refused: .*Missing required keys .*'factor'"),
+        (llama, {"rope_scaling": {"rope_type": "nonsense"}}, r"unknown rope_type nonsense \(transformers knows defa"),
+    ]
+    for path, overrides, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            HFCausalLM.from_pretrained(str(path), **overrides)
+        assert "\n" not in str(info.value)
+    dynamic = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    with pytest.raises(ValueError) as built:
+        HFCausalLM(config={"model_type": "llama", **SHAPE, "rope_parameters": {**dynamic["rope_scaling"],
+                                                                               "rope_theta": 10000.0}})  # fmt: skip
+    with pytest.raises(ConfigError) as loaded:
+        HFCausalLM.from_pretrained(str(llama), **dynamic)
+    assert str(loaded.value) == str(built.value) and "picks its frequencies" in str(loaded.value)
+    mistral = MistralConfig(**SHAPE, sliding_window=16)
+    with pytest.raises(ValueError) as built:
+        HFCausalLM(model=MistralForCausalLM(mistral))
+    with pytest.raises(ConfigError) as loaded:
+        HFCausalLM(pretrained=str(_save(tmp_path / "mistral", MistralForCausalLM(mistral))))
+    assert str(loaded.value) == str(built.value) and "sliding window of 16 tokens" in str(loaded.value)
+    assert "\n" not in str(loaded.value)
+
+
+@pytest.mark.parametrize(("tensor", "sharding", "stages"), [(2, "zero3", 1), (1, "none", 2)], ids=["tp2-zero3", "pp2"])
+def test_pretrained_trains_like_transformers_model(
+    llama: Path, tmp_path: Path, tensor: int, sharding: str, stages: int
+) -> None:
+    """TP 2 x zero3 over a pool of 2, and PP 2 x pool 2, on 4 gloo ranks, each rank reading its own slices: the
+    losses (the first one: the pretrained weights' loss) and the parameters after 2 SGD steps are those of
+    transformers' ``from_pretrained`` model trained in one process."""
+    hparams = dict(lr=1.0, optimizer="sgd", max_grad_norm=0.2)
+    reference = HFCausalLM(model=_transformers(llama), **hparams)
+    ref = _fit(tmp_path, "ref", reference, 1, 2)[0]
+    strategy = _strategy(
+        tensor_parallel=tensor, sharding=sharding, pipeline_stages=stages, num_microbatches=4, capacity=160 * stages
+    )
+    ranks = _fit(tmp_path, "pretrained", HFCausalLM.from_pretrained(str(llama), **hparams), 4, 2, strategy)
+    for rank in ranks:
+        assert rank["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6)
+        assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for name, p in reference.named_parameters():
+        holders = [rank for rank in ranks if name in rank["params"]]
+        assert len(holders) == 4 // stages, name
+        for rank in holders:
+            got = torch.tensor(rank["params"][name], dtype=p.dtype)
+            rel = (got - p.detach()).norm() / p.detach().norm()
+            assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+    if tensor > 1:
+        assert ranks[0]["types"]["model.model.layers.0.self_attn.q_proj.weight"] == "DTensor"
