@@ -48,6 +48,7 @@ def test_loads_transformers_weights_in_one_process(llama: Path, tmp_path: Path) 
     assert module.lr == 0.5 and is_meta(module)
     module.materialize("cpu")
     assert not is_meta(module)
+    assert module.loaded_bytes == sum(p.numel() * 4 for p in module.parameters())  # every tensor read once, whole
     expected = _transformers(llama).state_dict() | dict(_transformers(llama).named_buffers())
     got = module.model.state_dict() | dict(module.model.named_buffers())
     assert got.keys() == expected.keys()
@@ -153,3 +154,15 @@ def test_pretrained_trains_like_transformers_model(
             assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
     if tensor > 1:
         assert ranks[0]["types"]["model.model.layers.0.self_attn.q_proj.weight"] == "DTensor"
+
+
+def test_load_bench_reports_each_rank_reading_its_shards() -> None:
+    """``python -m lightning_hydra.bench.startup --pretrained`` at a tiny size: on TP 2 x zero3 each rank read
+    exactly the bytes of the shards it holds (a quarter of the layers' weights), not the model."""
+    from lightning_hydra.bench.startup import measure_pretrained
+
+    result = measure_pretrained(hidden=128, layers=2, vocab=4096)
+    assert result["layout"] == "TP 2 x zero3 over 2, 4 gloo ranks"
+    for rank in result["per_rank"]:
+        assert rank["read_mib"] == rank["shards_mib"] < 0.5 * result["model_mib"]
+        assert rank["peak_rise_mib"] > 0

@@ -298,6 +298,9 @@ class HFCausalLM(HydraModule):
         )
         self.pretrained = pretrained
         """The pretrained directory whose weights :meth:`materialize` loads (``None``: built from a config)."""
+        self.loaded_bytes = 0
+        """Bytes this process read from the pretrained files when it materialised the model (a rank: its slices
+        of its stage's tensors)."""
         if pretrained is not None:
             if model is not None:
                 raise ConfigError("HFCausalLM takes a model or pretrained=, not both")
@@ -354,7 +357,7 @@ class HFCausalLM(HydraModule):
         from lightning_hydra.models.pretrained import load_pretrained
 
         to_empty_keeping_ties(self, device)
-        load_pretrained(self.model, self.pretrained)
+        self.loaded_bytes = load_pretrained(self.model, self.pretrained)
 
     def _linear_head(self) -> tuple[nn.Linear, float] | None:
         """``(head, factor)`` when the model's logits are exactly ``factor * head(last_hidden_state)``, so the loss

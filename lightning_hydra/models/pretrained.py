@@ -178,16 +178,13 @@ def load_pretrained(model: nn.Module, path: str | Path) -> int:
     Raises:
         ConfigError: The files lack a tensor that the model holds (and that is not tied to another).
     """
-    from contextlib import ExitStack
-
     from safetensors import safe_open
 
     files = weight_files(path)
     tied = _tied_names(model)
     done: set[int] = set()
     read = 0
-    with ExitStack() as stack, torch.no_grad():
-        handles: dict[Path, Any] = {}
+    with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
             if id(tensor) in done:
                 continue
@@ -195,13 +192,11 @@ def load_pretrained(model: nn.Module, path: str | Path) -> int:
                 if name in tied:
                     continue  # loaded under the name it is tied to
                 raise ConfigError(f"pretrained={str(path)!r}: the weights have no {name}")
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            part = (
-                handles[file].get_slice(name)[local_slice(tensor)] if tensor.dim() else handles[file].get_tensor(name)
-            )
+            # opened for each tensor: closing unmaps the file pages the slice touched, so a rank's resident set
+            # holds one tensor's pages at a time, not every page it read
+            with safe_open(str(files[name]), framework="pt", device="cpu") as source:
+                part = source.get_slice(name)[local_slice(tensor)] if tensor.dim() else source.get_tensor(name)
             local.copy_(part.reshape(local.shape))
             read += part.numel() * part.element_size()
             done.add(id(tensor))
