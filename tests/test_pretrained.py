@@ -5,6 +5,7 @@ transformers' own ``from_pretrained`` model in one process; bad input is one lin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 from lightning_hydra.errors import ConfigError
 from lightning_hydra.models.hf import HFCausalLM
 from lightning_hydra.models.init import is_meta
+from lightning_hydra.models.pretrained import generation_config, weight_files
 from tests.test_tensor import _fit, _strategy
 
 SHAPE = dict(
@@ -54,6 +56,8 @@ def test_loads_transformers_weights_in_one_process(llama: Path, tmp_path: Path) 
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+    assert generation_config(llama) == json.loads((llama / "generation_config.json").read_text())
+    assert generation_config(tmp_path) is None
     torch.manual_seed(6)
     tied = _save(tmp_path / "tied", LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=True)))
     module = HFCausalLM(pretrained=str(tied))
@@ -61,6 +65,15 @@ def test_loads_transformers_weights_in_one_process(llama: Path, tmp_path: Path) 
     reference = _transformers(tied)
     assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
     assert torch.equal(module.model.lm_head.weight, reference.lm_head.weight)
+    # weights in several files (an index names each tensor's file), as large checkpoints are saved
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(tmp_path / "split", max_shard_size="20KB")
+    assert (tmp_path / "split" / "model.safetensors.index.json").is_file()
+    assert len(set(weight_files(tmp_path / "split").values())) > 2
+    module = HFCausalLM(pretrained=str(tmp_path / "split"))
+    module.materialize("cpu")
+    expected = _transformers(tmp_path / "split").state_dict()
+    for name, value in module.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
 
 
 @pytest.mark.parametrize(
@@ -141,7 +154,12 @@ def test_pretrained_trains_like_transformers_model(
     strategy = _strategy(
         tensor_parallel=tensor, sharding=sharding, pipeline_stages=stages, num_microbatches=4, capacity=160 * stages
     )
-    ranks = _fit(tmp_path, "pretrained", HFCausalLM.from_pretrained(str(llama), **hparams), 4, 2, strategy)
+    module = HFCausalLM.from_pretrained(str(llama), **hparams)
+    ranks = _fit(tmp_path, "pretrained", module, 4, 2, strategy)
+    # the main process, which never allocated the model, took the trained weights and computed its rotary tables
+    assert not is_meta(module)
+    torch.testing.assert_close(module.state_dict(), reference.state_dict(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(module.model.model.rotary_emb.inv_freq, reference.model.model.rotary_emb.inv_freq)
     for rank in ranks:
         assert rank["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6)
         assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)

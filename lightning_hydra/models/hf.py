@@ -359,6 +359,18 @@ class HFCausalLM(HydraModule):
         to_empty_keeping_ties(self, device)
         self.loaded_bytes = load_pretrained(self.model, self.pretrained)
 
+    def materialize_buffers(self, device: torch.device | str) -> None:
+        """Allocate the buffers still on the meta device (the rotary tables of a model whose parameters were
+        assigned, such as the trained weights that the spawn launcher hands back to the main process) on
+        ``device`` and compute them again from the config."""
+        from lightning_hydra.models.pretrained import reinit_buffers
+
+        for module in self.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_meta:
+                    module._buffers[name] = torch.empty_like(buffer, device=device)
+        reinit_buffers(self.model)
+
     def _linear_head(self) -> tuple[nn.Linear, float] | None:
         """``(head, factor)`` when the model's logits are exactly ``factor * head(last_hidden_state)``, so the loss
         can be chunked over tokens (``factor``: Cohere's ``logit_scale``, the Granite family's ``1 /

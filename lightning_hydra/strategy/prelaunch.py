@@ -322,7 +322,8 @@ class SpawnLauncher(CheckedMultiProcessingLauncher):
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
         """Lightning's, except that a model the main process holds on the meta device (built with
         ``init_device="meta"`` or from pretrained weights: only the ranks allocated it) takes the trained weights'
-        tensors as its own (``assign``) instead of copying into meta tensors, a no-op that warns once per tensor."""
+        tensors as its own (``assign``) instead of copying into meta tensors, a no-op that warns once per tensor;
+        buffers that are not in the weights are computed again where the module can (``materialize_buffers``)."""
         from lightning_hydra.models.init import is_meta
 
         module = trainer.lightning_module
@@ -331,5 +332,8 @@ class SpawnLauncher(CheckedMultiProcessingLauncher):
             return
         weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
         module.load_state_dict(weights, strict=False, assign=True)
+        rebuild = getattr(module, "materialize_buffers", None)
+        if is_meta(module) and callable(rebuild):  # non-persistent buffers (rotary tables) are not in the weights
+            rebuild("cpu")
         self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
         super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
