@@ -118,6 +118,7 @@ def test_bad_pretrained_input_is_one_line(llama: Path, tmp_path: Path) -> None:
         (tmp_path / "empty", {}, "is not a Hugging Face checkpoint directory: it has no config.json"),
         (tmp_path / "bare", {}, r"has no \*.safetensors weights"),
         (llama, {"intermediate_size": 96}, r"gate_proj.weight has shape \[64, 32\] in the weights, \[96, 32\] by"),
+        (llama, {"num_hidden_layers": 3}, r"the weights have no model.layers.2.self_attn.q_proj.weight \(of shape"),
         (llama, {"rope_scaling": {"rope_type": "yarn"}}, r"is refused: .*Missing required keys .*'factor'"),
         (llama, {"rope_scaling": {"rope_type": "nonsense"}}, r"unknown rope_type nonsense \(transformers knows defa"),
     ]
@@ -125,6 +126,10 @@ def test_bad_pretrained_input_is_one_line(llama: Path, tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=message) as info:
             HFCausalLM.from_pretrained(str(path), **overrides)
         assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="takes a model or pretrained=, not both"):
+        HFCausalLM(LlamaForCausalLM(LlamaConfig(**SHAPE)), pretrained=str(llama))
+    with pytest.raises(ConfigError, match="with pretrained=, config is a dict of overrides"):
+        HFCausalLM(pretrained=str(llama), config=LlamaConfig(**SHAPE))
     dynamic = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
     with pytest.raises(ValueError) as built:
         HFCausalLM(config={"model_type": "llama", **SHAPE, "rope_parameters": {**dynamic["rope_scaling"],
