@@ -189,3 +189,59 @@ def test_load_bench_reports_each_rank_reading_its_shards() -> None:
     for rank in result["per_rank"]:
         assert rank["read_mib"] == rank["shards_mib"] < 0.5 * result["model_mib"]
         assert rank["peak_rise_mib"] > 0
+
+
+def _recipe(tmp_path: Path, pretrained: Path) -> Path:
+    """The CPU demo recipe (4 ranks, the embedded corpus: byte tokens below 258) with a pretrained tiny Llama."""
+    import yaml
+
+    from lightning_hydra.cli import recipe_path
+
+    recipe = yaml.safe_load(recipe_path("cpu-demo").read_text())
+    recipe["model"] = {
+        "class_path": "lightning_hydra.models.hf.HFCausalLM",
+        "init_args": {"pretrained": str(pretrained), "config": {"rope_theta": 20000.0}, "lr": 0.002},
+    }
+    recipe["trainer"]["callbacks"] = []
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_a_recipe_trains_from_pretrained_weights_and_bad_ones_stop_before_launch(llama: Path, tmp_path: Path) -> None:
+    """``pretrained:`` with config overrides in a recipe: the command trains from the weights on 4 ranks; a
+    directory that is not a checkpoint is one line from the command, before any rank starts."""
+    import subprocess
+    import sys
+
+    def fit(recipe: Path) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable, "-m", "lightning_hydra", "fit", "--config", str(recipe), "--trainer.max_steps=1",
+            "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+
+    done = fit(_recipe(tmp_path, tmp_path / "missing"))
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"lightning-hydra: error: pretrained='{tmp_path / 'missing'}' is not a directory (a local "
+                      "Hugging Face checkpoint is needed)"], done.stderr[-3000:]  # fmt: skip
+    assert "Traceback" not in done.stderr and "Initializing distributed" not in done.stderr
+    done = fit(_recipe(tmp_path, llama))
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout + done.stderr
+    assert "materialised each rank's shards on its device" in printed
+    assert "lightning-hydra: 1 steps" in printed or "lightning-hydra: 1 step" in printed, printed[-3000:]
+
+
+def test_a_recipe_s_config_dict_reaches_the_module_as_a_dict() -> None:
+    """A recipe's ``config:`` mapping is parsed as the dict it is (``dict`` comes first in the annotation): parsed
+    as a base ``PretrainedConfig``, transformers found no model class for it (the GPU recipes' HF models failed to
+    build) and ``pretrained=`` took it for a config object."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(HFCausalLM, "model")
+    built = parser.instantiate(parser.parse_object({"model": {"config": {"model_type": "llama", **SHAPE}}}))
+    assert isinstance(built.model.model, LlamaForCausalLM)

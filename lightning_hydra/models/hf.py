@@ -257,7 +257,7 @@ class HFCausalLM(HydraModule):
         self,
         model: PreTrainedModel | None = None,
         *,
-        config: PretrainedConfig | dict | None = None,
+        config: dict | PretrainedConfig | None = None,
         pretrained: str | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
