@@ -41,6 +41,17 @@ def test_meta_build_materialises_to_the_same_weights() -> None:
     assert normal.init_seed != DecoderLM(vocab_size=258, hidden_size=32, num_layers=2, num_heads=4).init_seed
 
 
+def test_meta_build_trains_in_one_process_without_hydra_strategy(tmp_path: Path) -> None:
+    """Under Lightning's own single-device strategy, ``configure_model`` materialises the meta-built model whole:
+    the same losses and parameters as the normal build."""
+    reference, meta = _model(), _model("meta")
+    ref = _fit(tmp_path, "ref", reference, 1, 2)[0]
+    got = _fit(tmp_path, "meta", meta, 1, 2)[0]
+    assert got["losses"] == ref["losses"]
+    for name, p in reference.named_parameters():
+        assert torch.equal(dict(meta.named_parameters())[name], p), name
+
+
 @pytest.mark.parametrize(("sharding", "tensor", "stages"), [("zero3", 2, 1), ("zero3", 1, 2)])
 def test_meta_build_trains_like_one_process(tmp_path: Path, sharding: str, tensor: int, stages: int) -> None:
     """TP 2 x zero3 over a pool of 2, and 2 stages x zero3 over a pool of 2, on 4 gloo ranks: the meta-built

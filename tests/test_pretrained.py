@@ -146,6 +146,18 @@ def test_bad_pretrained_input_is_one_line(llama: Path, tmp_path: Path) -> None:
     assert "\n" not in str(loaded.value)
 
 
+def test_pretrained_trains_in_one_process_without_hydra_strategy(llama: Path, tmp_path: Path) -> None:
+    """Under Lightning's own single-device strategy, ``configure_model`` loads the weights: the losses and
+    parameters of transformers' ``from_pretrained`` model."""
+    hparams = dict(lr=1.0, optimizer="sgd", max_grad_norm=0.2)
+    reference = HFCausalLM(model=_transformers(llama), **hparams)
+    module = HFCausalLM.from_pretrained(str(llama), **hparams)
+    ref = _fit(tmp_path, "ref", reference, 1, 2)[0]
+    got = _fit(tmp_path, "pretrained", module, 1, 2)[0]
+    assert got["losses"] == ref["losses"]
+    torch.testing.assert_close(module.state_dict(), reference.state_dict(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("tensor", "sharding", "stages"), [(2, "zero3", 1), (1, "none", 2)], ids=["tp2-zero3", "pp2"])
 def test_pretrained_trains_like_transformers_model(
     llama: Path, tmp_path: Path, tensor: int, sharding: str, stages: int
