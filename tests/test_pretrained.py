@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 from lightning_hydra.errors import ConfigError
 from lightning_hydra.models.hf import HFCausalLM
 from lightning_hydra.models.init import is_meta
-from lightning_hydra.models.pretrained import generation_config, weight_files
+from lightning_hydra.models.pretrained import check_buffers, generation_config, weight_files
 from tests.test_tensor import _fit, _strategy
 
 SHAPE = dict(
@@ -137,6 +137,11 @@ def test_bad_pretrained_input_is_one_line(llama: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as loaded:
         HFCausalLM.from_pretrained(str(llama), **dynamic)
     assert str(loaded.value) == str(built.value) and "picks its frequencies" in str(loaded.value)
+    model = _transformers(llama)
+    check_buffers(model, llama)  # the rotary tables are computed again
+    model.model.layers[0].register_buffer("table", torch.ones(3), persistent=False)
+    with pytest.raises(ConfigError, match=r"a buffer model.layers.0.table that is not in the weights and that load"):
+        check_buffers(model, llama)
     mistral = MistralConfig(**SHAPE, sliding_window=16)
     with pytest.raises(ValueError) as built:
         HFCausalLM(model=MistralForCausalLM(mistral))

@@ -178,7 +178,7 @@ def unsupported_attention(model: PreTrainedModel) -> str | None:
 def _pretrained_on_meta(path: str, overrides: dict[str, Any] | None) -> PreTrainedModel:
     """The directory's model (config with ``overrides``) built on the meta device in float32 (the master weights'
     dtype, whatever the files hold), its weights' shapes checked against the config."""
-    from lightning_hydra.models.pretrained import check_pretrained_dir, check_weights, read_config
+    from lightning_hydra.models.pretrained import check_buffers, check_pretrained_dir, check_weights, read_config
 
     where = check_pretrained_dir(path)
     try:
@@ -197,6 +197,7 @@ def _pretrained_on_meta(path: str, overrides: dict[str, Any] | None) -> PreTrain
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     check_weights(model, where)
+    check_buffers(model, where)
     return model
 
 

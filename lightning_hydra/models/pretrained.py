@@ -28,6 +28,7 @@ from torch import nn
 from lightning_hydra.errors import ConfigError
 
 __all__ = [
+    "check_buffers",
     "check_pretrained_dir",
     "check_weights",
     "generation_config",
@@ -203,6 +204,22 @@ def load_pretrained(model: nn.Module, path: str | Path) -> int:
             del part
     reinit_buffers(model)
     return read
+
+
+def check_buffers(model: nn.Module, path: str | Path) -> None:
+    """A one-line :class:`ConfigError` when ``model`` has a non-persistent buffer (not in the files) that
+    :func:`reinit_buffers` cannot compute again after allocation: only the rotary tables of transformers' rotary
+    modules (those with ``original_inv_freq``) are; any other would be left as ``to_empty`` leaves memory."""
+    saved = set(model.state_dict(keep_vars=True))
+    for module_name, module in model.named_modules():
+        rotary = "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq")
+        for name, buffer in module.named_buffers(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if buffer is not None and full not in saved and not rotary:
+                raise ConfigError(
+                    f"pretrained={str(path)!r}: {type(model).__name__} has a buffer {full} that is not in the "
+                    "weights and that loading cannot compute again (only rotary tables are)"
+                )
 
 
 def reinit_buffers(model: nn.Module) -> None:
