@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 pytest.importorskip("transformers")
 
@@ -169,7 +170,8 @@ def test_pretrained_trains_like_transformers_model(
 ) -> None:
     """TP 2 x zero3 over a pool of 2, and PP 2 x pool 2, on 4 gloo ranks, each rank reading its own slices: the
     losses (the first one: the pretrained weights' loss) and the parameters after 2 SGD steps are those of
-    transformers' ``from_pretrained`` model trained in one process."""
+    transformers' ``from_pretrained`` model trained in one process; the run's checkpoint exports as a Hugging Face
+    directory that transformers loads to the trained model's logits."""
     hparams = dict(lr=1.0, optimizer="sgd", max_grad_norm=0.2)
     reference = HFCausalLM(model=_transformers(llama), **hparams)
     ref = _fit(tmp_path, "ref", reference, 1, 2)[0]
@@ -177,7 +179,9 @@ def test_pretrained_trains_like_transformers_model(
         tensor_parallel=tensor, sharding=sharding, pipeline_stages=stages, num_microbatches=4, capacity=160 * stages
     )
     module = HFCausalLM.from_pretrained(str(llama), **hparams)
-    ranks = _fit(tmp_path, "pretrained", module, 4, 2, strategy)
+    saves = [ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)]
+    ranks = _fit(tmp_path, "pretrained", module, 4, 2, strategy, saves=saves)
+    _assert_exports(tmp_path / "ckpt" / "last.ckpt", tmp_path / "hf", llama, reference)
     # the main process, which never allocated the model, took the trained weights and computed its rotary tables
     assert not is_meta(module)
     torch.testing.assert_close(module.state_dict(), reference.state_dict(), rtol=1e-5, atol=1e-6)
@@ -194,6 +198,23 @@ def test_pretrained_trains_like_transformers_model(
             assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
     if tensor > 1:
         assert ranks[0]["types"]["model.model.layers.0.self_attn.q_proj.weight"] == "DTensor"
+
+
+def _assert_exports(checkpoint: Path, out: Path, source: Path, trained: HFCausalLM) -> None:
+    """``lightning-hydra export`` of ``checkpoint`` (float32): the source's config (a Llama), its generation config,
+    and weights whose logits on held-out tokens are those of ``trained``'s model under transformers' own attention
+    (1e-5)."""
+    from lightning_hydra.cli import main
+
+    assert main(["export", str(checkpoint), str(out), "--dtype", "fp32"]) == 0
+    assert (out / "generation_config.json").is_file() and (out / "config.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(exported).__name__ == "LlamaForCausalLM" and exported.dtype == torch.float32
+    plain = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    plain.load_state_dict(trained.model.state_dict())
+    ids = torch.randint(0, 258, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_load_bench_reports_each_rank_reading_its_shards() -> None:

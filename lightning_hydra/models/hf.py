@@ -372,6 +372,23 @@ class HFCausalLM(HydraModule):
                     module._buffers[name] = torch.empty_like(buffer, device=device)
         reinit_buffers(self.model)
 
+    @override
+    def export_spec(self) -> dict[str, Any]:
+        """The wrapped model as it trained: its own config (the run's overrides included, such as a changed rotary
+        scaling), its parameter names without this module's ``model.`` prefix, the pretrained directory's
+        ``generation_config.json`` and the directory itself, whose tokenizer files the export copies (see
+        :mod:`lightning_hydra.export`)."""
+        from lightning_hydra.models.pretrained import generation_config
+
+        config = {k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")}
+        config.pop("attn_implementation", None)  # the CP engine's, registered in this process only
+        return {
+            "config": config,
+            "rename": [[r"^model\.", ""]],
+            "generation_config": generation_config(self.pretrained) if self.pretrained is not None else None,
+            "source": self.pretrained,
+        }
+
     def _linear_head(self) -> tuple[nn.Linear, float] | None:
         """``(head, factor)`` when the model's logits are exactly ``factor * head(last_hidden_state)``, so the loss
         can be chunked over tokens (``factor``: Cohere's ``logit_scale``, the Granite family's ``1 /
