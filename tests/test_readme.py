@@ -129,6 +129,19 @@ def test_the_sample_output_matches_the_code():
     assert re.match(shape, line) and re.match(shape, sample)
 
 
-def test_the_readme_links_exist():
-    for target in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]+)?\)", README):
+def _anchors(page: str) -> set[str]:
+    """The anchors of a docs page: explicit ``{ #id }`` ones and the headings' slugs (as Markdown's toc makes them)."""
+    out = set(re.findall(r"\{ #([\w-]+) \}", page))
+    for heading in re.findall(r"^#+ (.*?)(?: \{ #[\w-]+ \})?$", page, re.M):
+        out.add(re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower()))
+    return out
+
+
+def test_the_readme_links_and_anchors_exist():
+    links = re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#([\w-]+))?\)", README)
+    links += re.findall(r"^\[[\w-]+\]: ((?:docs/)?[\w./-]+\.md)(?:#([\w-]+))?$", README, re.M)
+    assert len(links) >= 20, links
+    for target, anchor in links:
         assert (ROOT / target).exists(), target
+        if anchor:
+            assert anchor in _anchors((ROOT / target).read_text()), f"{target}#{anchor}"
