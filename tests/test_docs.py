@@ -57,6 +57,8 @@ def _claim(page: str, mark: str | None, language: str, body: str) -> str | None:
         return "test_the_rank_zero_example_prints_once"
     if language == "python" and "HFCausalLM(" in body:
         return "test_the_hugging_face_example_builds"
+    if language == "python" and "HFCausalLM.from_pretrained(" in body:
+        return "test_the_pretrained_example_builds_with_its_overrides"
     if language == "yaml":
         return "test_the_recipe_fragments_parse"
     if language == "bash":
@@ -234,6 +236,28 @@ def test_the_hugging_face_example_builds():
     exec(compile(code, "docs/your-model.md", "exec"), namespace)
     assert namespace["model"].attention_heads() == (4, 2)
     assert namespace["data"].global_batch_tokens == 262_144
+
+
+def test_the_pretrained_example_builds_with_its_overrides(tmp_path):
+    """``docs/pretrained.md``'s example on a tiny Llama saved here in place of Llama-3.1-8B: built on the meta device
+    with the constructor's arguments and the config overrides the page names (YaRN to 128K positions)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_hydra.models.init import is_meta
+
+    shape = dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(tmp_path / "llama")
+    (example,) = [b for b in _page_blocks("pretrained.md", "python") if "HFCausalLM.from_pretrained(" in b]
+    namespace: dict = {}
+    code = shrink(example, {'"/models/Llama-3.1-8B"': repr(str(tmp_path / "llama"))})
+    exec(compile(code, "docs/pretrained.md", "exec"), namespace)
+    module = namespace["module"]
+    assert is_meta(module) and module.lr == 2e-5 and module.pretrained == str(tmp_path / "llama")
+    config = module.model.config
+    rope = getattr(config, "rope_parameters", None) or config.rope_scaling  # transformers 5 renamed it
+    assert config.max_position_embeddings == 131072 and rope["rope_type"] == "yarn" and rope["factor"] == 16.0
 
 
 def test_the_recipe_fragments_parse(tmp_path, capsys):
