@@ -1071,3 +1071,68 @@ def test_the_planner_benchmark_reports_each_plans_digest() -> None:
                     num_kv_heads=8)  # fmt: skip
         assert record["policies"][policy]["digest"] == plan.digest()
     assert record["policies"]["static"]["digest"] != record["policies"]["hydra"]["digest"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 60000), min_size=1, max_size=150),
+    world=st.sampled_from([8, 16, 32]),
+    name=st.sampled_from(["pow2", "fine", "node"]),
+    load_driven=st.booleans(),
+)
+def test_a_balanced_formation_places_every_sequence_once_within_capacity_at_its_degrees(
+    lengths: list[int], world: int, name: str, load_driven: bool, cost: CostModel
+) -> None:
+    """``form(..., balance=True)`` (the balanced twin, issue 58) places every microbatch again at lower levels with
+    the degrees it chose: every sequence placed exactly once, every rank within its token capacity, every degree one
+    of the set's and at least the sequence's memory minimum (Megatron's power-of-two one, at most ``REACH`` sizes
+    above it, where the formation is memory-driven), and the same plan every time."""
+    capacity = 8192
+    microbatches = max(1, math.ceil(sum(lengths) / (0.7 * world * capacity)))
+    req = _request(np.array(lengths), cost, world, capacity, microbatches)
+    ds = DegreeSet.build(req.rules, name)
+    twin = form(req, ds, raise_degrees=load_driven, balance=True)
+    assert twin.balanced and twin.name.endswith("/bal")
+    assert sorted(twin.seq.tolist()) == list(range(len(lengths)))
+    plan = twin.plan(req)
+    plan.check(lengths, capacity)  # every sequence once, tokens within capacity, groups aligned
+    degrees = plan.sequence_degrees()
+    assert set(degrees.tolist()) <= set(ds.sizes.tolist())
+    assert np.all(degrees * capacity >= np.asarray(lengths))
+    if not load_driven and name == "pow2":
+        megatron = np.array([megatron_min_degree(x, capacity) for x in lengths])
+        tile = np.maximum(1, np.asarray(lengths) // int(cost.min_chunk_tokens))
+        assert np.all(degrees >= megatron) and np.all(degrees <= np.maximum(megatron * 2**REACH, tile))
+    again = form(req, ds, raise_degrees=load_driven, balance=True).plan(req)
+    assert again.digest() == plan.digest()
+
+
+@pytest.mark.parametrize(("name", "load_driven"), [("pow2", True), ("node", True), ("pow2", False)])
+@pytest.mark.parametrize(("context", "capacity"), [(262144, 16384), (32768, 4096)])
+def test_a_balanced_microbatch_keeps_its_degrees_and_waits_no_more(
+    name: str, load_driven: bool, context: int, capacity: int, cost: CostModel
+) -> None:
+    """Each microbatch a balanced formation places again (every one but the last) keeps the classes its level chose
+    (a sequence may join a group at most ``REACH`` classes above its own, as in the first placement) and leaves its
+    ranks waiting (largest load less the pool's mean) no more than the first placement did."""
+    from lightning_hydra.planner.formation import _microbatch
+    from lightning_hydra.planner.tables import Tables
+
+    lengths = make_batch("lognormal", world_size=64, capacity=capacity, num_microbatches=8, fill=0.75,
+                         context=context, seed=7)  # fmt: skip
+    req = _request(lengths, cost, 64, capacity, 8)
+    ds = DegreeSet.build(req.rules, name)
+    tab = Tables(req, ds)
+    remaining, m = np.argsort(-tab.cost_min, kind="stable"), 0
+    while remaining.size and m < 7:
+        plain, _ = _microbatch(tab, ds, req, remaining, 8 - m, False, load_driven)
+        balanced, after = _microbatch(tab, ds, req, remaining, 8 - m, False, load_driven, balance=True)
+        assert balanced.top - balanced.mean <= plain.top - plain.mean + 1e-12
+        # the class each sequence sits in: within REACH above the class the plain placement gave the same sequence
+        # wherever both placed it (the level is lower, the degrees the same)
+        cls_plain = dict(zip(plain.seq.tolist(), plain.classes[plain.gid].tolist(), strict=True))
+        for s, k in zip(balanced.seq.tolist(), balanced.classes[balanced.gid].tolist(), strict=True):
+            if s in cls_plain and tab.column[s] >= 0 and cls_plain[s] > 0:
+                assert abs(k - cls_plain[s]) <= REACH
+        assert sorted([*balanced.seq.tolist(), *after.tolist()]) == sorted(remaining.tolist())
+        remaining, m = after, m + 1

@@ -972,3 +972,58 @@ def test_megatrons_plan_is_kept_unless_beaten_by_the_margin(monkeypatch):
     monkeypatch.setattr(hydra, "MCORE_MARGIN", 0.0)
     other = schedule(batch, **kw).stats
     assert other["candidate"] != "mcore" and other[f"span/{other['candidate']}"] < other["span/mcore"]
+
+
+def test_the_robustness_summary_counts_cells_against_the_ceiling_targets():
+    """``summarize`` counts every context's cells and all of them against issue 58's targets: hydra at
+    ``CEILING_TARGET`` of the ceiling or above, the cells where mcore is below ``ROOM`` of it and of those the ones
+    where hydra reaches the context's ratio over mcore, the cells below mcore; and the dear-communication family's
+    waiting and communication shares, hydra's against mcore's. The tables list every cell's ceiling figures."""
+    from lightning_hydra.bench.robust import CEILING_TARGET, ROOM, markdown, summarize
+    from lightning_hydra.sim.waiting import CAUSES
+
+    def cell(context, name, ceiling, hydra, mcore, waiting=(0.02, 0.02), mcore_waiting=(0.04, 0.02)):
+        def shares(wait, comm):
+            out = dict.fromkeys(("useful", *CAUSES), 0.0)
+            out.update(useful=hydra, single_bins=wait, communication=comm, waiting=wait)
+            return out
+
+        return {
+            "world_size": 64, "context": context, "distribution": "lognormal", "truth": name,
+            "uncalibrated": {"hydra": hydra, "mcore": mcore, "static": 0.5, "hydra_over_mcore": hydra / mcore},
+            "calibrated": {
+                "hydra": hydra, "mcore": mcore, "static": 0.5, "hydra_over_mcore": round(hydra / mcore, 4),
+                "best_candidate_over_mcore": round(hydra / mcore, 4), "ceiling": ceiling,
+                "hydra_of_ceiling": round(hydra / ceiling, 4), "mcore_of_ceiling": round(mcore / ceiling, 4),
+                "waiting": shares(*waiting), "mcore_waiting": shares(*mcore_waiting), "loop_steps": [],
+                "loop_min_of_ceiling": None,
+            },
+        }  # fmt: skip
+
+    cells = [
+        cell("256K", "base", 0.90, 0.88, 0.80),  # at the ceiling target, mcore with room, hydra 1.10x: met
+        cell("256K", "dear50", 0.90, 0.85, 0.83, (0.02, 0.03), (0.06, 0.025)),  # 0.944 of the ceiling: missed
+        cell("256K", "dear25", 0.90, 0.87, 0.845, (0.04, 0.02), (0.06, 0.02)),  # room, 1.0296x: ratio missed
+        cell("32K", "base", 0.80, 0.79, 0.785),  # mcore at 0.98 of the ceiling: no room, hydra above it
+        cell("32K", "worst", 0.80, 0.76, 0.78),  # below mcore, below the ceiling target
+    ]
+    assert [c["calibrated"]["hydra_of_ceiling"] >= CEILING_TARGET for c in cells] == [True, False, True, True, False]
+    assert [c["calibrated"]["mcore_of_ceiling"] < ROOM for c in cells] == [True, True, True, False, False]
+    summary = summarize(cells)
+    assert summary["targets"] == {
+        "cells": 5, "cells_at_ceiling_target": 3, "cells_with_room": 3, "cells_with_room_at_ratio_target": 1,
+        "cells_below_mcore": 1,
+    }  # fmt: skip
+    big, small = summary["256K"], summary["32K"]
+    assert (big["cells"], big["cells_at_ceiling_target"], big["cells_with_room"]) == (3, 2, 3)
+    assert (big["cells_with_room_at_ratio_target"], big["cells_below_mcore"]) == (1, 0)
+    assert (small["cells"], small["cells_at_ceiling_target"], small["cells_with_room"]) == (2, 1, 0)
+    assert small["cells_below_mcore"] == 1 and "dear_family" not in small
+    dear = big["dear_family"]
+    assert dear["cells"] == 2
+    assert dear["hydra_waiting"] == pytest.approx(0.03) and dear["mcore_waiting"] == pytest.approx(0.06)
+    assert dear["hydra_communication"] == pytest.approx(0.025) and dear["mcore_communication"] == pytest.approx(0.0225)
+    assert dear["cells_waiting_at_most_half_of_mcores"] == 1  # 0.02 <= 0.03; 0.04 > 0.03
+    assert dear["cells_communication_within_a_point_of_mcores"] == 2
+    tables = markdown(cells)
+    assert "| 64 | 256K | dear50 | 0.900 | 0.944 | 0.922 | 1.024 |" in tables
