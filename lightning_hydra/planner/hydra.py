@@ -53,6 +53,7 @@ from lightning_hydra.planner.static import StaticLayout, static_layout
 from lightning_hydra.planner.tables import DegreeSet, Tables
 
 __all__ = [
+    "BALANCE_BUDGET",
     "CANDIDATES",
     "EXPLORE_GAIN",
     "EXPLORE_RISK",
@@ -63,6 +64,8 @@ __all__ = [
     "MCORE_BUDGET_MEMORY",
     "MCORE_MARGIN",
     "MCORE_REACH",
+    "NODE_BUDGET",
+    "balanced_twin",
     "candidate_plans",
     "candidates",
     "schedule_hydra",
@@ -72,7 +75,9 @@ CANDIDATES = (("pow2", True), ("fine", True), ("pow2", False), ("node", True))
 """Formations tried: ``(degree set, load-driven degrees)``; ``("pow2", False)`` is the Megatron-shaped baseline.
 ``("node", True)`` raises degrees in whole Ulysses blocks above a node (the ``node`` set of
 :data:`~lightning_hydra.planner.tables.DEGREE_SETS`): every rank a raised degree adds moves the fewest ring bytes
-any factorisation of its size can, for truths where communication is dear (issue 58)."""
+any factorisation of its size can, for truths where communication is dear (issue 58). It is formed within
+:data:`NODE_BUDGET` and only where some degree can differ from the power-of-two formation's (:func:`_node_differs`).
+"""
 LIFTS = (1.1, 1.25, 1.5)
 """Lifts of the extra power-of-two load-driven formations (:func:`~lightning_hydra.planner.formation.form`'s
 ``lift``): degrees chosen at these multiples of each microbatch's level, between the load-driven formation (fewest
@@ -124,9 +129,16 @@ both budgets. The bound counts sequences, not the step's length: more microbatch
 behind) reach it sooner; past it the shortfall can return."""
 
 
-BALANCE_BUDGET = math.inf
+BALANCE_BUDGET = 524288
 """Largest ``sequences * sqrt(ranks)`` for which the balanced twin of the front-runner (:func:`balanced_twin`) is
-also a candidate."""
+also a candidate. Forming it costs up to four placements per microbatch: at 2,048 ranks x 256K lognormal (18,000
+sequences, 814,000) it raised hydra's planning time from 70 to 93 ms of CPU (1.33x; with the ``node`` candidate
+1.61x, 113 ms), past the 100 ms target with both. The bound keeps every 512-rank batch of the robustness grid (at
+most about 420,000) and the 2,048-rank batches of up to 11,500 sequences."""
+NODE_BUDGET = 524288
+"""Largest ``sequences * sqrt(ranks)`` for which the ``node`` formation of :data:`CANDIDATES` is formed (one more
+formation and its cost tables: 1.43x hydra's planning time at 2,048 ranks x 256K lognormal); see
+:data:`BALANCE_BUDGET`."""
 
 
 MCORE_REACH = 0.08
@@ -220,9 +232,11 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     cost per microbatch makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for fewer
     microbatches than asked (named with ``/m`` and their count)."""
     tables = {} if tables is None else tables
-    out = []
+    out: list[Formation] = []
     for name, load_driven in CANDIDATES:
         ds = DegreeSet.build(req.rules, name)
+        if name == "node" and not _node_differs(req, ds, out):
+            continue
         if name not in tables:
             tables[name] = Tables(req, ds)
         out.append(form(req, ds, raise_degrees=load_driven, tables=tables[name]))
@@ -238,6 +252,27 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     if fewer is not None:
         out.append(form(req, ds, raise_degrees=False, tables=tab, microbatches=fewer))
     return out
+
+
+def _node_differs(req: PlanRequest, ds: DegreeSet, formed: list[Formation]) -> bool:
+    """Whether the ``node`` formation is worth forming: within :data:`NODE_BUDGET`, and where the power-of-two
+    load-driven formation (formed before it) holds a group at least as large as the first size the ``node`` set has
+    and ``pow2`` lacks (``3 U``). Below that size the two sets are the same sizes with the same factorisation, so
+    where no sequence's class reaches it the ``node`` formation is the ``pow2`` one again (32K contexts, where
+    degrees stay within a node or two): forming it would only cost time."""
+    if not _within(req, NODE_BUDGET):
+        return False
+    pow2 = next((f for f in formed if f.degrees.name == "pow2" and not f.memory_driven), None)
+    if pow2 is None:
+        return True
+    sizes, theirs = ds.sizes, pow2.degrees.sizes
+    extra = np.setdiff1d(sizes, theirs)
+    if not extra.size:
+        return False
+    first = int(extra[0])
+    if not np.array_equal(sizes[sizes < first], theirs[theirs < first]):
+        return True  # pragma: no cover - the sets agree below it by construction
+    return bool(pow2.group_class.size) and int(theirs[pow2.group_class].max()) >= first
 
 
 def balanced_twin(req: PlanRequest, formation: Formation, tables: dict[str, Tables] | None = None) -> Formation:
