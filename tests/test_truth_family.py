@@ -421,11 +421,12 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
         _, times = efficiency(plan, hw)
         calibrator.add(plan_features(plan, cost), times.ravel(), includes_comm=True)
         cost = calibrator.refit(cost)
-    assert explored == [("pow2/memory", "fine/load")]
+    # the fine candidate placed again balanced (issue 58's twin of the front-runner) is the one its model ranks first
+    assert explored == [("pow2/memory", "fine/load/bal")]
     assert cost.intra_rings_measured and cost.inter_rings_measured
     batch = _batches("lognormal", 64, "256K", range(1000, 1001), 0.75, 16)[0]
     plan, _ = _plan(batch, "hydra", cost, 64, "256K", 16)
-    assert plan.stats["candidate"] == "fine/load" and "explored_over" not in plan.stats
+    assert plan.stats["candidate"] in ("fine/load", "fine/load/bal") and "explored_over" not in plan.stats
     memory = candidate_plans(_request(batch, cost, 64, "256K", 16))["pow2/memory"]
     assert efficiency(plan, hw)[0] > 1.015 * efficiency(memory, hw)[0]
     # the step before the refit explored; the same model never explores uncalibrated, nor with both links timed
@@ -786,9 +787,11 @@ def test_candidate_plans_hold_the_plan_hydra_chose(mcore_budget, bin_overhead, s
         max_seq_len=32768, mcore_budget=mcore_budget,
     )  # fmt: skip
     lifted = {f"pow2/load/x{lift:g}" for lift in LIFTS}  # within the lift budget at 64 ranks
-    assert set(plans) == {"pow2/load", "fine/load", "pow2/memory", "static"} | lifted | dense | (
+    twins = {name for name in plans if name.endswith("/bal")}  # the front-runner balanced (issue 58), one
+    assert len(twins) == 1 and next(iter(twins)).removesuffix("/bal") in plans
+    assert set(plans) - twins == {"pow2/load", "fine/load", "pow2/memory", "static"} | lifted | dense | (
         {"mcore"} if mcore_budget is None else set()
-    )
+    )  # no node formation: at 32K it would be the pow2 one
     same = plans[str(chosen.stats["candidate"])]
     for mine, theirs in zip(same.flat(), chosen.flat(), strict=True):
         assert np.array_equal(np.asarray(mine), np.asarray(theirs))

@@ -76,7 +76,9 @@ def test_breakdown_adds_up_on_a_planned_batch():
         num_kv_heads=8, max_seq_len=longest,
     )  # fmt: skip
     shares = breakdown(plan, truth("worst", 32), LLAMA_8B, cost, capacity)
-    assert set(shares) == {"useful", *CAUSES}
+    assert set(shares) == {"useful", *CAUSES, "waiting"}
+    assert shares["waiting"] == pytest.approx(shares["single_bins"] + shares["cp_groups"] + shares["microbatch_split"])
+    assert 0 <= shares["communication"] <= shares["overhead"] + 1e-12
     parts = [shares[k] for k in ("useful", "single_bins", "cp_groups", "microbatch_split", "overhead")]
     assert sum(parts) == pytest.approx(1.0)
     assert min(parts) >= -1e-12
