@@ -4,7 +4,7 @@ Prints one JSON object per cell (pool, context, distribution, truth) and a summa
 
     python -m lightning_hydra.bench.robust                  # pools of 64 and 512 ranks
     python -m lightning_hydra.bench.robust --full           # adds 2,048 ranks (mcore takes minutes per batch there)
-    python -m lightning_hydra.bench.robust --markdown t.md  # also writes the README's tables
+    python -m lightning_hydra.bench.robust --markdown t.md  # also writes the tables of docs/benchmarks.md
     python -m lightning_hydra.bench.robust --fill 0.9       # batches at 90% of the pool's tokens (default 75%)
     python -m lightning_hydra.bench.robust --microbatches 16  # batches planned into 16 microbatches (default 8)
     python -m lightning_hydra.bench.robust --model llama3-70b  # another model shape (llama3-1b, default llama3-8b)
@@ -426,7 +426,7 @@ def _ceiling_counts(cells: list[dict[str, Any]], ratio: float | None) -> dict[st
 
 
 def markdown(cells: list[dict[str, Any]]) -> str:
-    """The README's tables: per (pool, context, distribution) the worst and mean hydra/mcore over the truths, before
+    """The docs' tables: per (pool, context, distribution) the worst and mean hydra/mcore over the truths, before
     and after calibration, and in the worst cell the best candidate's; and per truth the worst over pools and
     distributions."""
     lines = [
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill", type=float, default=0.75, help="share of the pool's tokens a batch holds")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches each batch is planned into")
     parser.add_argument("--model", default="llama3-8b", choices=list(MODELS), help="the model planned and timed")
-    parser.add_argument("--markdown", default=None, help="write the README tables to this file")
+    parser.add_argument("--markdown", default=None, help="write the docs' tables (markdown) to this file")
     parser.add_argument(
         "--mcore-fast", action="store_true",
         help="plan mcore's baseline without its whole-pool scans (the same plan; for 2,048-rank batches of 70,000 "

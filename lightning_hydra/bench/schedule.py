@@ -54,7 +54,7 @@ def llama8b_cost() -> CostModel:
 
 
 def plan_metrics(plan: Plan, cost: CostModel, capacity: int) -> dict:
-    """The figures the README reports for one plan."""
+    """The figures docs/benchmarks.md reports for one plan."""
     loads = plan.loads(cost)
     per_rank = loads.sum(axis=0)
     degrees = plan.sequence_degrees()

@@ -60,7 +60,7 @@ below them, and the calibrated model and the truths both scored the plans lower 
 50%, 75% and 90% fill: hydra's worst cell against mcore under the truth rose from 0.88 to any of 0.75-0.82 at
 every fill at 256K and at 50% and 75% at 32K, where at 90% the even level binds and nothing changed; on the
 robustness benchmark at 90% fill the 256K mean fell by 1%, the fine candidate doing better at 0.88 there; see the
-README's robustness section)."""
+robustness benchmark (`bench.robust`))."""
 
 BALANCE_TOL = 0.01
 """Share of a microbatch's largest load its ranks may wait on average (the largest load less the mean over the

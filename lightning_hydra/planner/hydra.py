@@ -84,7 +84,7 @@ LIFTS = (1.1, 1.25, 1.5)
 ranks idle, most ring traffic) and the memory-driven one. Where the truth charges rings more than the planner's
 analytic model (exposed ring traffic, slower links), calibration finds it and one of these can win; where the
 calibrated model is off by more than the gap between near-equal candidates they add choices it can get wrong (the
-README's robustness section lists both)."""
+robustness benchmark (`bench.robust`) lists both)."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
@@ -387,9 +387,9 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
 
     Until a window times plain rings on a link, the ensemble's members charge them what they may cost there (the
     link halved, slowed as the all-to-all, a larger exposed share), and the choice avoids formations that use
-    them; the loop then never times them, and the hedge stays whether the truth agrees or not (the README's
-    robustness section: "A loop that times the rings its hedge is about"). Once the model is a calibrated one that
-    has timed rings (``CostModel.rings_measured``, which stays set), hydra plans the formation its own model
+    them; the loop then never times them, and the hedge stays whether the truth agrees or not (measured
+    with ``bench.robust`` when "A loop that times the rings its hedge is about" was made). Once the model is a
+    calibrated one that has timed rings (``CostModel.rings_measured``, which stays set), hydra plans the formation its own model
     predicts fastest among those with plain rings on an untimed link the choice's own rings do not time, where that
     model predicts it at least :data:`EXPLORE_GAIN` faster than the choice, it may be chosen (no slower than the
     baselines under the planner's model, within the baseline slack under every member) and its worst regret is at

@@ -185,7 +185,7 @@ class ModelMemoryShape:
 
 
 LLAMA3_8B = ModelMemoryShape.for_decoder(4096, 32, 32, 8, 14336, 128256)
-"""Llama-3-8B (untied embeddings, vocabulary 128,256): the shape the README's sizing uses."""
+"""Llama-3-8B (untied embeddings, vocabulary 128,256): the shape the docs' sizing uses."""
 
 
 def _precision(precision: str) -> str:

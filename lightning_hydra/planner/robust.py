@@ -50,7 +50,7 @@ hydra 1.024x mcore with full weight, 1.046x with half). Half, not zero: where th
 link the loop never ran), the member still steers (64 ranks, 32K, 4 microbatches: halving the member's slowdown to
 1.5x instead put one cell at 0.925x mcore: hydra took the fine candidate on one of its two batches). Before any ring
 was measured the member weighs in full. The member stops slowing a ring link once the window has timed plain rings
-on it (:func:`_comm_member`). See the README's robustness section."""
+on it (:func:`_comm_member`). See the robustness benchmark (`bench.robust`)."""
 
 _COMM_MEMBER = 1
 """Index in :func:`ensemble` of the member whose links run at half their bandwidth."""
@@ -69,7 +69,7 @@ worst is 1.037 and its mean 1.0706 -> 1.0734 (4 cells up, 2 down by at most 0.9%
 256K commands, the 70B and 1B shapes, half and 90% fill, 4 and 16 microbatches, the 8 device truths and 12 drawn
 truths at 64 and 512 ranks, 60 of the 256K cells rose (by up to 2.6%) and 7 fell (by up to 1.3%: 2,048 x 256K
 stdlib under ``worst``, 1.146 -> 1.134, where the loop's path changed the candidates themselves); every row's worst
-stayed or rose but that one, and no 32K cell moved (the README's robustness section). Half, not zero, for the
+stayed or rose but that one, and no 32K cell moved (the robustness benchmark (`bench.robust`)). Half, not zero, for the
 reason :data:`MEASURED_COMM_WEIGHT` gives."""
 
 EXPOSED_SHARE_WEIGHT = 0.0
@@ -85,9 +85,9 @@ fine candidate 2.7% ahead of the memory-driven formation (the truth: 2.6%), the 
 charged it 8.4% more and hydra took the memory-driven formation, 1.014x mcore where the fine candidate reached
 1.041x; under ``random46`` and the earlier set's ``random9`` (512 ranks) the ring member decided with it. Zero: the
 member adds nothing a checked fit does not already say, and at half weight it alone still kept ``random42`` out.
-Measured on 19 rows of the README's robustness section and 270 cells of those fresh truths (1,282 cells, the
-README's "A checked exposure is not hedged back"): 26 cells up by up to 5.1%, 2 down by at most 0.3%, no row's
-worst lower, ``random42`` 1.014 -> 1.040 (its best candidate)."""
+Measured on 19 rows of the robustness benchmark (`bench.robust`) and 270 cells of those fresh truths (1,282 cells,
+when the change "A checked exposure is not hedged back" was made): 26 cells up by up to 5.1%, 2 down by at most
+0.3%, no row's worst lower, ``random42`` 1.014 -> 1.040 (its best candidate)."""
 
 _SHARE_MEMBER = 2
 """Index in :func:`ensemble` of the member that adds a quarter to the ring's always-exposed share."""
@@ -102,7 +102,8 @@ fitted all-to-all's folded-in latencies. Found by drawn truths at 2,048 ranks x 
 stdlib``): loops of load-driven power-of-two plans, which hold rings only under a Ulysses level, fitted the
 all-to-all at 95-170 GB/s against the ring's assumed 400 GB/s, the member ran the 50 GB/s inter-node link at 12-21
 GB/s and charged the fine candidate 16-61% more where the truth (22-42 GB/s between nodes) timed it 4.7-5.6%
-faster. See the README's robustness section ("An untimed inter-node link slowed by the all-to-all's factor")."""
+faster (measured with the robustness benchmark, `bench.robust`, when the change "An untimed inter-node link slowed
+by the all-to-all's factor" was made)."""
 
 BASELINE_SLACK = 0.10
 """Largest share by which any member of the ensemble may predict a chosen candidate slower than the fastest baseline
@@ -118,7 +119,7 @@ candidate, not the baselines) also fixed those steps but cost 13% at 2,048 x 256
 load-driven power-of-two candidate had a worst regret of 1.105 while every member predicted it faster than every
 baseline. The bound does not catch a model that errs beyond every member: at half fill the fine candidate was
 predicted 23% faster than Megatron's plan and at most 4% slower by any member, and timed 8-48% slower (the
-README's robustness section)."""
+robustness benchmark (`bench.robust`))."""
 
 TIE = 1e-12
 """Relative difference below which two spans or regrets count as equal (rounding, not a difference of plans)."""
@@ -213,8 +214,8 @@ def _ring_member(cost: CostModel) -> CostModel:
     after 24 loop steps that half-fill row's worst rose from 0.815 to 0.998. The Llama-3-70B shape's 512 x 32K
     standard-library row fell 0.7-0.9% in all ten cells (worst 0.9967 -> 0.9893): its loop fitted another model and
     took the memory-driven formation where Megatron's plan was best; the model's error there was the token-wise work
-    charged at the tile-bounded degree, and with it at ``L / d`` the row is at 1.000 (README, "The token-wise work at
-    ``L / d``")."""
+    charged at the tile-bounded degree, and with it at ``L / d`` the row is at 1.000 (measured with ``bench.robust``
+    when the change "The token-wise work at ``L / d``" was made)."""
     member = cost.replace(ring_exposure=cost.ring_exposure if cost.exposure_measured else max(cost.ring_exposure, 1.0))
     slow = min(1.0, cost.intra_node_bandwidth / cost.intra_node_ring_bandwidth)
     return member.replace(

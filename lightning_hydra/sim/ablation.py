@@ -60,7 +60,8 @@ def run(recipe: str, steps: int | None) -> dict[str, Any]:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    """The README table: throughput relative to (mcore, te-p2p), pipeline bubble, and the paper's figure."""
+    """The docs' table (docs/benchmarks.md): throughput relative to (mcore, te-p2p), pipeline bubble, and the
+    paper's figure."""
     lines = [
         "| scenario | mcore + TE ring | mcore + Ulysses-in-ring | hydra + TE ring | hydra + Ulysses-in-ring "
         "| bubble_pp mcore+ring -> hydra+nested | published |",
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--steps", type=int, default=None, help="override the recipes' number of global batches")
-    parser.add_argument("--markdown", default=None, help="write the README table to this file")
+    parser.add_argument("--markdown", default=None, help="write the docs' table (markdown) to this file")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     results = []
