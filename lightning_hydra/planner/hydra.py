@@ -385,14 +385,14 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
     """The formation to plan instead of the robust choice ``pick`` so that the step times plain rings on a link the
     calibration window has not timed them on, or ``pick``.
 
-    Until a window times plain rings on a link, the ensemble's members charge them what they may cost there (the
-    link halved, slowed as the all-to-all, a larger exposed share), and the choice avoids formations that use
-    them; the loop then never times them, and the hedge stays whether the truth agrees or not (measured
-    with ``bench.robust`` when "A loop that times the rings its hedge is about" was made). Once the model is a
-    calibrated one that has timed rings (``CostModel.rings_measured``, which stays set), hydra plans the formation its own model
-    predicts fastest among those with plain rings on an untimed link the choice's own rings do not time, where that
-    model predicts it at least :data:`EXPLORE_GAIN` faster than the choice, it may be chosen (no slower than the
-    baselines under the planner's model, within the baseline slack under every member) and its worst regret is at
+    Until a window times plain rings on a link, the ensemble's members charge them what they may cost there (the link
+    halved, slowed as the all-to-all, a larger exposed share), and the choice avoids formations that use them; the loop
+    then never times them, and the hedge stays whether the truth agrees or not (measured with ``bench.robust`` when "A
+    loop that times the rings its hedge is about" was made). Once the model is a calibrated one that has timed rings
+    (``CostModel.rings_measured``, which stays set), hydra plans the formation its own model predicts fastest among
+    those with plain rings on an untimed link the choice's own rings do not time, where that model predicts it at least
+    :data:`EXPLORE_GAIN` faster than the choice, it may be chosen (no slower than the baselines under the planner's
+    model, within the baseline slack under every member) and its worst regret is at
     most 1 + :data:`EXPLORE_RISK`.
     The refit after that step marks the link timed: the members stop hedging it, and the choice follows what the
     rings cost. Each such step times a link the window had not, so a window explores at most once per link (twice
