@@ -422,7 +422,7 @@ class CheckpointSaver:
             except BaseException as exc:  # told to every rank below, then raised here
                 failure = exc
         if group is not None:
-            failed = torch.tensor([int(failure is not None)])
+            failed = torch.tensor([int(failure is not None)], dtype=torch.int64, device="cpu")  # a gloo group
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
             if failure is None and failed.item():
                 raise RuntimeError(f"rank 0 failed to publish the checkpoint {path} (its error is on rank 0)")
