@@ -118,15 +118,17 @@ def test_the_sample_output_matches_the_code():
     (sample,) = [b for lang, b in BLOCKS if lang == "" and "lightning-hydra: 20 steps" in b]
     monitor = BubbleMonitor()
     step = {"throughput/tokens_per_s": 1.0, "time/step_s": 1.0, "bubble/dp": 0.0, "bubble/pp": 0.6}
-    monitor.history = [{**step, "bubble/pp_min": 0.583, "balance/max_over_mean": 1.0}]
+    monitor.history = [{**step, "bubble/pp_min": 0.581, "balance/max_over_mean": 1.0}]
+    monitor.losses = [5.0] * 10 + [3.0] * 9 + [4.285]  # the demo's last step jumps (docs/tensor-parallel.md)
     line = monitor.summary()
-    said = "(minimum 0.583 for these microbatch times)"
+    said = "(minimum 0.581 for these microbatch times)"
     assert said in line and said in sample
     shape = (
         r"lightning-hydra: \d+ steps, [\d,]+ tokens trained; median bubble/dp [\d.]+, "
-        r"bubble/pp \(projected for P=4; no pipeline stages in this run\) [\d.]+"
+        r"bubble/pp \(projected for P=4; no pipeline stages in this run\) [\d.]+ \(minimum [\d.]+ for these "
+        r"microbatch times\), balance [\d.]+; train loss [\d.]+ \(mean of the last 10 steps; last 4.285\)"
     )
-    assert re.match(shape, line) and re.match(shape, sample)
+    assert re.match(shape, line) and re.match(shape, sample), (line, sample)
 
 
 def _anchors(page: str) -> set[str]:
