@@ -20,6 +20,24 @@ os.environ.setdefault("LIGHTNING_HYDRA_COLLECTIVE_TIMEOUT", "180")
 preload_for_ranks(["torch", "torch.distributed", "lightning.pytorch"])
 
 
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+"""What ``seed_everything`` (a recipe's ``seed_everything:`` run in-process by ``LightningCLI``) leaves in the
+environment: every later Lightning rank would reseed from it (``reset_seed``) instead of taking the launching
+process's random state."""
+
+
+@pytest.fixture(autouse=True)
+def _seed_variables_restored():
+    """Restore Lightning's seed variables after every test (a test that runs a recipe in this process sets them)."""
+    saved = {name: os.environ.get(name) for name in _SEED_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture
 def cost() -> CostModel:
     """An 8B-shaped analytic cost model (communication charged)."""
