@@ -25,6 +25,7 @@ __all__ = [
     "fill_",
     "is_meta",
     "local_part",
+    "local_slice",
     "param_seed",
     "peak_memory",
     "reset_peak_memory",
@@ -69,17 +70,23 @@ def to_empty_keeping_ties(module: nn.Module, device: torch.device | str) -> None
         setattr(module.get_submodule(owner), attr, module.get_parameter(source))
 
 
-def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The part of the full tensor ``full`` that ``like`` holds: ``full`` itself for a plain tensor, this rank's
-    shard for a DTensor (tensor parallelism, FSDP2, both), by torch's own shard arithmetic."""
-    placements = getattr(like, "placements", None)
+def local_slice(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The index of the part of the full tensor that ``tensor`` holds on this rank: everything for a plain tensor,
+    the local shard's offsets and shape for a DTensor (tensor parallelism, FSDP2, both), by torch's own shard
+    arithmetic."""
+    placements = getattr(tensor, "placements", None)
     if placements is None:
-        return full
+        return tuple(slice(0, n) for n in tensor.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    return full[index]
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of the full tensor ``full`` that ``like`` holds (:func:`local_slice`): ``full`` itself for a plain
+    tensor, this rank's shard for a DTensor."""
+    return full if getattr(like, "placements", None) is None else full[local_slice(like)]
 
 
 def fill_(tensor: torch.Tensor, seed: int, name: str, draw: Callable[[torch.Tensor, torch.Generator], None]) -> None:

@@ -1,14 +1,14 @@
 """Pretrained Hugging Face weights in, each rank reading only the slices it holds.
 
 :class:`~lightning_hydra.models.hf.HFCausalLM` ``(pretrained="/models/Llama-3.1-8B")`` reads the directory's
-``config.json`` (with overrides for context extension: ``rope_theta``, ``rope_scaling`` such as ``llama3``, ``yarn``
-or ``linear``, ``max_position_embeddings``), checks the safetensors headers against the config (names and shapes,
-nothing read beyond the headers) and builds the model on the ``meta`` device. :class:`~lightning_hydra.HydraStrategy`
-lays it out (pipeline stage, tensor parallelism, FSDP2), allocates each rank's shards on its device and calls
-:func:`load_pretrained`, which reads for every tensor the slice of the full tensor that the rank holds (by torch's
-shard arithmetic, :func:`local_slice`) with ``safe_open(...).get_slice(name)[index]`` from the memory-mapped
-safetensors file: a rank reads its TP and FSDP shards of its stage's tensors and nothing else, converting them to
-the parameters' dtype as it copies. Non-persistent buffers (the rotary tables) are computed again by
+``config.json`` (with overrides for context extension: ``rope_theta``, ``rope_scaling`` such as ``llama3``, ``yarn`` or
+``linear``, ``max_position_embeddings``), checks the safetensors headers against the config (names and shapes, nothing
+read beyond the headers) and builds the model on the ``meta`` device. :class:`~lightning_hydra.HydraStrategy` lays it
+out (pipeline stage, tensor parallelism, FSDP2), allocates each rank's shards on its device and calls
+:func:`load_pretrained`, which reads for every tensor the slice of the full tensor that the rank holds (by torch's shard
+arithmetic, :func:`~lightning_hydra.models.init.local_slice`) with ``safe_open(...).get_slice(name)[index]`` from the
+memory-mapped safetensors file: a rank reads its TP and FSDP shards of its stage's tensors and nothing else, converting
+them to the parameters' dtype as it copies. Non-persistent buffers (the rotary tables) are computed again by
 transformers' own ``_init_weights``.
 
 Bad input is one line, raised where the module is built (before any rank starts): a directory without
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_hydra.errors import ConfigError
+from lightning_hydra.models.init import local_slice
 
 __all__ = [
     "check_buffers",
@@ -33,7 +34,6 @@ __all__ = [
     "check_weights",
     "generation_config",
     "load_pretrained",
-    "local_slice",
     "read_config",
     "reinit_buffers",
     "safetensors_shapes",
@@ -153,19 +153,6 @@ def weight_files(path: str | Path) -> dict[str, Path]:
         with safe_open(str(file), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), file))
     return files
-
-
-def local_slice(tensor: torch.Tensor) -> tuple[slice, ...]:
-    """The index of the part of the full tensor that ``tensor`` holds on this rank: everything for a plain tensor,
-    the local shard's offsets and shape for a DTensor (tensor parallelism, FSDP2, both), by torch's own shard
-    arithmetic (as :func:`~lightning_hydra.models.init.local_part` cuts a drawn tensor)."""
-    placements = getattr(tensor, "placements", None)
-    if placements is None:
-        return tuple(slice(0, n) for n in tensor.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def load_pretrained(model: nn.Module, path: str | Path) -> int:
