@@ -16,7 +16,7 @@ from lightning_hydra import DecoderLM, HydraDataModule
 from lightning_hydra.models.init import is_meta
 from lightning_hydra.testing import quiet_trainer
 from tests.test_sharding import make_dataset
-from tests.test_tensor import _fit, _strategy
+from tests.test_tensor import _fit, _strategy, assert_held_params
 
 
 def _model(init_device: str | None = None) -> DecoderLM:
@@ -65,13 +65,7 @@ def test_meta_build_trains_like_one_process(tmp_path: Path, sharding: str, tenso
     for rank in ranks:
         assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert rank["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    for name, p in reference.named_parameters():
-        holders = [rank for rank in ranks if name in rank["params"]]
-        assert len(holders) == 4 // stages, name
-        for rank in holders:
-            got = torch.tensor(rank["params"][name], dtype=p.dtype)
-            rel = (got - p.detach()).norm() / p.detach().norm()
-            assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+    assert_held_params(ranks, reference, 4 // stages)
 
 
 class _StartupMemory(pl.Callback):

@@ -20,7 +20,7 @@ from lightning_hydra.errors import ConfigError
 from lightning_hydra.models.hf import HFCausalLM
 from lightning_hydra.models.init import is_meta
 from lightning_hydra.models.pretrained import check_buffers, generation_config, weight_files
-from tests.test_tensor import _fit, _strategy
+from tests.test_tensor import _fit, _strategy, assert_held_params
 
 SHAPE = dict(
     vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -189,13 +189,7 @@ def test_pretrained_trains_like_transformers_model(
     for rank in ranks:
         assert rank["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6)
         assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-    for name, p in reference.named_parameters():
-        holders = [rank for rank in ranks if name in rank["params"]]
-        assert len(holders) == 4 // stages, name
-        for rank in holders:
-            got = torch.tensor(rank["params"][name], dtype=p.dtype)
-            rel = (got - p.detach()).norm() / p.detach().norm()
-            assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+    assert_held_params(ranks, reference, 4 // stages)
     if tensor > 1:
         assert ranks[0]["types"]["model.model.layers.0.self_attn.q_proj.weight"] == "DTensor"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -102,6 +103,27 @@ def _fit(
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
 
 
+def held_params(
+    ranks: list[dict], reference: torch.nn.Module, holders: int
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, a rank's gathered copy, the reference's)`` for every parameter of ``reference`` and every rank that
+    holds it, asserting that ``holders`` ranks do (a pipeline stage holds its own layers)."""
+    for name, p in reference.named_parameters():
+        expected = p.detach()
+        held = [rank for rank in ranks if name in rank["params"]]
+        assert len(held) == holders, name
+        for rank in held:
+            yield name, torch.tensor(rank["params"][name], dtype=expected.dtype), expected
+
+
+def assert_held_params(ranks: list[dict], reference: torch.nn.Module, holders: int, rel: float = 1e-6) -> None:
+    """Every rank's gathered parameters are ``reference``'s within ``rel`` (relative norm), each parameter held by
+    ``holders`` ranks (:func:`held_params`)."""
+    for name, got, expected in held_params(ranks, reference, holders):
+        diff = (got - expected).norm() / expected.norm()
+        assert diff <= rel, f"{name}: relative difference {float(diff):.2e}"
+
+
 def _strategy(**kw) -> HydraStrategy:
     return HydraStrategy(
         max_tokens_per_rank=kw.pop("capacity", 160),
@@ -170,16 +192,11 @@ def test_tp2_trains_like_one_process(
     # would sum them anyway, but the clipping norm would be wrong)
     assert sum(r["partial"] for r in ranks) == 0
     initial = dict(make_model().named_parameters())
-    for name, p in reference_model.named_parameters():
-        expected = p.detach()
-        holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
-        assert len(holders) == 4 // stages, name
+    for name, got, expected in held_params(ranks, reference_model, 4 // stages):
         update = (expected - initial[name].detach()).norm()  # a norm weight's update is small beside its ones
-        for rank in holders:
-            got = torch.tensor(rank["params"][name], dtype=expected.dtype)
-            rel = (got - expected).norm() / expected.norm()
-            assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
-            assert (got - expected).norm() <= 1e-3 * update, f"{name}: the update differs"
+        rel = (got - expected).norm() / expected.norm()
+        assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+        assert (got - expected).norm() <= 1e-3 * update, f"{name}: the update differs"
 
 
 @pytest.mark.parametrize(
@@ -542,18 +559,14 @@ def test_hf_tp2_trains_like_one_process(
     assert last["types"][head] == ("Tensor" if variant == "tied" else "DTensor"), last["types"][head]
     assert last["types"]["model.model.layers.1.self_attn.q_proj.weight"] == "DTensor"
     initial = dict(model().named_parameters())
-    for name, p in reference.named_parameters():
-        update = (p.detach() - initial[name].detach()).norm()
-        holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
-        assert len(holders) == 4 // stages, name
-        for rank in holders:
-            got = torch.tensor(rank["params"][name], dtype=p.dtype)
-            diff = (got - p.detach()).norm()
-            rel = diff / p.detach().norm()
-            # Gemma's norm weights start at zero (it scales by 1 + w): after 3 steps their norm is ~1e-3, and TP's
-            # sums in another order leave ~1e-9 absolute (1.06e-6 relative on pre_feedforward_layernorm, measured)
-            assert rel <= 1e-6 or diff <= 1e-8, f"{name}: relative difference {float(rel):.2e}, {float(diff):.1e}"
-            assert diff <= 1e-3 * update, f"{name}: the update differs"
+    for name, got, expected in held_params(ranks, reference, 4 // stages):
+        update = (expected - initial[name].detach()).norm()
+        diff = (got - expected).norm()
+        rel = diff / expected.norm()
+        # Gemma's norm weights start at zero (it scales by 1 + w): after 3 steps their norm is ~1e-3, and TP's
+        # sums in another order leave ~1e-9 absolute (1.06e-6 relative on pre_feedforward_layernorm, measured)
+        assert rel <= 1e-6 or diff <= 1e-8, f"{name}: relative difference {float(rel):.2e}, {float(diff):.1e}"
+        assert diff <= 1e-3 * update, f"{name}: the update differs"
 
 
 def test_sequence_parallel_refuses_sandwich_norms_before_launch() -> None:

@@ -16,7 +16,7 @@ from lightning_hydra.errors import ConfigError
 from lightning_hydra.strategy.prelaunch import preflight
 from lightning_hydra.testing import quiet_trainer
 from tests.test_sharding import make_dataset, make_model
-from tests.test_tensor import CAPTURE_CHECK, VIEW_WARNING, Record, _fit, _strategy
+from tests.test_tensor import CAPTURE_CHECK, VIEW_WARNING, Record, _fit, _strategy, assert_held_params
 
 
 class Placements(pl.Callback):
@@ -94,14 +94,7 @@ def test_hsdp_tp2_trains_like_one_process(tmp_path: Path, stages: int, ranks_per
     assert where[0] == "R" and where[2] == "S(0)", where  # FSDP strides its dim-0 shard over the TP shard
     if stages == 1:
         assert layout["lm_head.weight"][0] == ["replicate", "shard", "tp"]  # the vocabulary-parallel head
-    for name, p in reference.named_parameters():
-        expected = p.detach()
-        holders = [rank for rank in ranks if name in rank["params"]]  # a pipeline stage holds its own layers
-        assert len(holders) == 8 // stages, name
-        for rank in holders:
-            got = torch.tensor(rank["params"][name], dtype=expected.dtype)
-            rel = (got - expected).norm() / expected.norm()
-            assert rel <= 1e-6, f"{name}: relative difference {float(rel):.2e}"
+    assert_held_params(ranks, reference, 8 // stages)
 
 
 @pytest.mark.timeout(300)
