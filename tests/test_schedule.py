@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_hydra.bench.batches import make_batch
@@ -1080,20 +1080,24 @@ def test_the_planner_benchmark_reports_each_plans_digest() -> None:
     assert record["policies"]["static"]["digest"] != record["policies"]["hydra"]["digest"]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # the same examples in every run, as the step-schedule property tests
 @given(
     lengths=st.lists(st.integers(1, 60000), min_size=1, max_size=150),
     world=st.sampled_from([8, 16, 32]),
     name=st.sampled_from(["pow2", "fine", "node"]),
     load_driven=st.booleans(),
 )
+@example(lengths=[1, 32769], world=8, name="pow2", load_driven=False)  # found in CI (kept)
 def test_a_balanced_formation_places_every_sequence_once_within_capacity_at_its_degrees(
     lengths: list[int], world: int, name: str, load_driven: bool, cost: CostModel
 ) -> None:
     """``form(..., balance=True)`` (the balanced twin, issue 58) places every microbatch again at lower levels with
     the degrees it chose: every sequence placed exactly once, every rank within its token capacity, every degree one
-    of the set's and at least the sequence's memory minimum (Megatron's power-of-two one, at most ``REACH`` sizes
-    above it, where the formation is memory-driven), and the same plan every time."""
+    of the set's and at least the sequence's memory minimum (Megatron's power-of-two one), every group at most
+    ``REACH`` sizes above what one of its sequences needs where the formation is memory-driven, and the same plan
+    every time."""
     capacity = 8192
     microbatches = max(1, math.ceil(sum(lengths) / (0.7 * world * capacity)))
     req = _request(np.array(lengths), cost, world, capacity, microbatches)
@@ -1109,7 +1113,13 @@ def test_a_balanced_formation_places_every_sequence_once_within_capacity_at_its_
     if not load_driven and name == "pow2":
         megatron = np.array([megatron_min_degree(x, capacity) for x in lengths])
         tile = np.maximum(1, np.asarray(lengths) // int(cost.min_chunk_tokens))
-        assert np.all(degrees >= megatron) and np.all(degrees <= np.maximum(megatron * 2**REACH, tile))
+        assert np.all(degrees >= megatron)
+        # a group is at most REACH classes above what one of its sequences needs: a sequence may join the group of
+        # a longer one (lengths [1, 32769] on 8 ranks: one group of 8 holds both, the short one has no rank left)
+        reach = np.maximum(megatron * 2**REACH, tile)
+        for groups in plan.microbatches:
+            for g in (g for g in groups if g.seq_ids):  # an idle rank's group holds no sequence
+                assert len(g.ranks) <= max(reach[i] for i in g.seq_ids), (len(g.ranks), g.seq_ids)
     again = form(req, ds, raise_degrees=load_driven, balance=True).plan(req)
     assert again.digest() == plan.digest()
 
