@@ -1061,6 +1061,51 @@ def test_lifted_formations_raise_fewer_degrees_and_stay_within_their_budget(monk
     assert set(lifted) <= {f.name for f in hydra.candidates(req)}
 
 
+def test_the_node_formation_is_lifted_too_and_front_runners_within_reach_are_balanced(monkeypatch) -> None:
+    """Within ``LIFT_BUDGET`` the ``node`` load-driven formation is lifted by ``LIFTS`` as the power-of-two one is
+    (every lift a valid plan of the whole batch, spending no more ranks per token than the unlifted one); within
+    ``TWIN_BUDGET`` the front-runner and every other load-driven formation within ``TWIN_REACH`` of it under the
+    planner's own model are formed again balanced, one per predicted span; past the budget only the front-runner is,
+    and past ``LIFT_BUDGET`` no lift is formed."""
+    import lightning_hydra.planner.hydra as hydra
+
+    cost = llama8b_cost()
+    batch = make_batch(
+        "lognormal", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=0
+    )
+    req = _request(batch, cost, 64, 16384, 8)
+    formed = {f.name: f for f in hydra.candidates(req)}
+    lifted = [f"node/load/x{lift:g}" for lift in hydra.LIFTS]
+    assert "node/load" in formed and set(lifted) <= set(formed)
+
+    def ranks_per_token(name: str) -> float:
+        plan = formed[name].plan(req)
+        plan.check(batch.tolist(), 16384)
+        return float((plan.sequence_degrees() * batch).sum() / batch.sum())
+
+    assert all(ranks_per_token(name) <= ranks_per_token("node/load") + 1e-9 for name in lifted)
+
+    choice = hydra._choice(req)
+    own = {s.name: float(s.spans[0]) for s in choice.scored}
+    twins = [f.name.removesuffix("/bal") for f in choice.formed if f.balanced]
+    unbalanced = [f for f in choice.formed if not f.balanced]
+    best = min(unbalanced, key=lambda f: own[f.name])
+    assert twins[0] == best.name and len(twins) == len(set(twins))
+    for name in twins[1:]:
+        assert not formed[name].memory_driven and own[name] <= own[best.name] * (1 + hydra.TWIN_REACH)
+    within = {
+        round(own[f.name], 9)
+        for f in unbalanced
+        if not f.memory_driven and own[f.name] <= own[best.name] * (1 + hydra.TWIN_REACH)
+    }
+    assert len(twins) == len(within | {round(own[best.name], 9)}) > 1  # one twin per span within reach
+
+    monkeypatch.setattr(hydra, "TWIN_BUDGET", 0)
+    assert sum(f.balanced for f in hydra._choice(req).formed) == 1
+    monkeypatch.setattr(hydra, "LIFT_BUDGET", batch.size * math.sqrt(64) - 1)
+    assert not {f.name for f in hydra.candidates(req)} & set(lifted)
+
+
 def test_the_planner_benchmark_reports_each_plans_digest() -> None:
     """``bench.schedule`` reports every policy's plan digest, so that two commits' outputs tell whether a change
     altered any plan (and figures measured on those plans need a new run)."""

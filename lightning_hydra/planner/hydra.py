@@ -9,7 +9,10 @@ Per global batch, several candidate plans are formed and the most robust one is 
   where a fixed cost per microbatch makes it pay the memory-driven formation planned for fewer microbatches than
   asked (:func:`fewer_microbatches`), and up to :data:`MCORE_BUDGET` Megatron's own placement
   (:mod:`lightning_hydra.planner.mcore_fast`), up to :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be
-  a memory-driven formation or within :data:`MCORE_REACH` of one.
+  a memory-driven formation or within :data:`MCORE_REACH` of one. Within :data:`BALANCE_BUDGET` the front-runner
+  under the planner's own model is also formed again with its degrees kept and each microbatch placed to balance its
+  ranks (:func:`balanced_twin`), and within :data:`TWIN_BUDGET` so is every load-driven formation within
+  :data:`TWIN_REACH` of it.
 - **Choice** (:mod:`lightning_hydra.planner.robust`): every candidate is scored under the planner's model and
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
   planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore) and no
@@ -58,6 +61,7 @@ __all__ = [
     "EXPLORE_GAIN",
     "EXPLORE_RISK",
     "FEWER_SHARE",
+    "LIFTED_SETS",
     "LIFTS",
     "LIFT_BUDGET",
     "MCORE_BUDGET",
@@ -65,6 +69,8 @@ __all__ = [
     "MCORE_MARGIN",
     "MCORE_REACH",
     "NODE_BUDGET",
+    "TWIN_BUDGET",
+    "TWIN_REACH",
     "balanced_twin",
     "candidate_plans",
     "candidates",
@@ -85,6 +91,9 @@ ranks idle, most ring traffic) and the memory-driven one. Where the truth charge
 analytic model (exposed ring traffic, slower links), calibration finds it and one of these can win; where the
 calibrated model is off by more than the gap between near-equal candidates they add choices it can get wrong (the
 robustness benchmark (`bench.robust`) lists both)."""
+LIFTED_SETS = ("node",)
+"""Degree sets besides ``pow2`` whose load-driven formations are also lifted by :data:`LIFTS` within
+:data:`LIFT_BUDGET` (where the set's formation was formed: ``node`` only where it differs from ``pow2``)."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
@@ -139,6 +148,17 @@ NODE_BUDGET = 524288
 """Largest ``sequences * sqrt(ranks)`` for which the ``node`` formation of :data:`CANDIDATES` is formed (one more
 formation and its cost tables: 1.43x hydra's planning time at 2,048 ranks x 256K lognormal); see
 :data:`BALANCE_BUDGET`."""
+
+
+TWIN_REACH = 0.05
+"""Within :data:`TWIN_BUDGET`, the load-driven formations predicted within this share of the front-runner (under the
+planner's own model) are also formed again balanced (:func:`_twin_sources`): robust selection often takes another
+formation than the front-runner, and a balanced twin of a lifted or ``node`` formation can beat every formation
+unbalanced (issue 58)."""
+TWIN_BUDGET = LIFT_BUDGET
+"""Largest ``sequences * sqrt(ranks)`` for which the twins of :data:`TWIN_REACH` are formed besides the
+front-runner's (:data:`BALANCE_BUDGET`). Each costs up to four placements per microbatch, about what a lifted
+formation costs: the same bound as :data:`LIFT_BUDGET`, off 2,048-rank batches of more than about 2,900 sequences."""
 
 
 MCORE_REACH = 0.08
@@ -228,7 +248,8 @@ def fewer_microbatches(req: PlanRequest, tables: Tables) -> int | None:
 def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> list[Formation]:
     """The formations of :data:`CANDIDATES` (cost tables shared per degree set, kept in ``tables`` where given); with
     pipeline stages also the load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum,
-    none merged); within :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`; where a fixed
+    none merged); within :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`, and those of the
+    :data:`LIFTED_SETS` where their load-driven formation was formed; where a fixed
     cost per microbatch makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for fewer
     microbatches than asked (named with ``/m`` and their count)."""
     tables = {} if tables is None else tables
@@ -248,6 +269,10 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     tab = tables["pow2"]
     if _within(req, LIFT_BUDGET):
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
+        for name in LIFTED_SETS:  # the other degree sets' load-driven formations, where formed
+            base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
+            if base is not None:
+                out += [form(req, base.degrees, raise_degrees=True, tables=tables[name], lift=lift) for lift in LIFTS]
     fewer = fewer_microbatches(req, tab)
     if fewer is not None:
         out.append(form(req, ds, raise_degrees=False, tables=tab, microbatches=fewer))
@@ -353,10 +378,11 @@ def _choice(req: PlanRequest) -> _Choice:
     # the Megatron-shaped formation (the memory-driven one for the asked microbatches), static and mcore bound
     # hydra's own prediction; each scored as laid out (a ring is charged the link its ranks use)
     formed_spans = [spans(*f.flat(), crosses=f.crosses(req)) for f in formed]
-    if formed and _within(req, BALANCE_BUDGET):  # the front-runner under the planner's own model, balanced
-        twin = balanced_twin(req, formed[int(np.argmin([x[0] for x in formed_spans]))], tables)
-        formed.append(twin)
-        formed_spans.append(spans(*twin.flat(), crosses=twin.crosses(req)))
+    if formed and _within(req, BALANCE_BUDGET):  # the front-runners under the planner's own model, balanced
+        for i in _twin_sources(formed, formed_spans, _within(req, TWIN_BUDGET)):
+            twin = balanced_twin(req, formed[i], tables)
+            formed.append(twin)
+            formed_spans.append(spans(*twin.flat(), crosses=twin.crosses(req)))
     memory = [i for i, f in enumerate(formed) if f.memory_driven]
     shaped = [f.memory_driven and f.planned_for == req.num_microbatches and not f.balanced for f in formed]
     scored = [Scored(f.name, x, b) for f, x, b in zip(formed, formed_spans, shaped, strict=True)]
@@ -442,6 +468,30 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
         and any(used and untimed for used, untimed in zip(f.plain_rings(req), (intra, inter), strict=True))
     ]
     return min(eligible, key=lambda i: (own[i], i), default=pick)
+
+
+def _twin_sources(formed: list[Formation], formed_spans: list[np.ndarray], reach: bool = True) -> list[int]:
+    """The formations :func:`balanced_twin` forms again balanced: the front-runner under the planner's own model and,
+    with ``reach``, every load-driven formation predicted within :data:`TWIN_REACH` of it (one per predicted span:
+    equal spans are the same plan).
+
+    Args:
+        formed: The formations of :func:`candidates`.
+        formed_spans: Their spans under the ensemble (the planner's own model first).
+        reach: Whether the formations within reach join the front-runner (:data:`TWIN_BUDGET`).
+    """
+    own = np.array([x[0] for x in formed_spans])
+    best = int(np.argmin(own))
+    out, seen = [best], {float(own[best])}
+    if not reach:
+        return out
+    for i in np.argsort(own, kind="stable").tolist():
+        f = formed[i]
+        if i == best or f.memory_driven or float(own[i]) in seen or own[i] > own[best] * (1 + TWIN_REACH):
+            continue
+        out.append(i)
+        seen.add(float(own[i]))
+    return out
 
 
 def _within_reach(scored: list[Scored], pick: int, memory: list[int]) -> bool:
