@@ -1066,13 +1066,20 @@ def test_the_node_formation_is_lifted_too_and_front_runners_within_reach_are_bal
     (every lift a valid plan of the whole batch, spending no more ranks per token than the unlifted one); within
     ``TWIN_BUDGET`` the front-runner and every other load-driven formation within ``TWIN_REACH`` of it under the
     planner's own model are formed again balanced, one per predicted span; past the budget only the front-runner is,
-    and past ``LIFT_BUDGET`` no lift is formed."""
+    and past ``LIFT_BUDGET`` no lift is formed. Both need a model that timed plain rings on both links
+    (``rings_timed``): with the analytic model neither is formed (the loop must time the rings its hedges avoid)."""
     import lightning_hydra.planner.hydra as hydra
 
-    cost = llama8b_cost()
+    analytic = llama8b_cost()
+    cost = analytic.replace(rings_measured=True, intra_rings_measured=True, inter_rings_measured=True)
+    assert hydra.rings_timed(cost) and not hydra.rings_timed(analytic)
+    assert not hydra.rings_timed(cost.replace(intra_rings_measured=False))
     batch = make_batch(
         "lognormal", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=0
     )
+    untimed = _request(batch, analytic, 64, 16384, 8)
+    assert not any(f.name.startswith("node/load/x") for f in hydra.candidates(untimed))
+    assert sum(f.balanced for f in hydra._choice(untimed).formed) == 1
     req = _request(batch, cost, 64, 16384, 8)
     formed = {f.name: f for f in hydra.candidates(req)}
     lifted = [f"node/load/x{lift:g}" for lift in hydra.LIFTS]

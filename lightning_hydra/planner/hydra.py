@@ -11,8 +11,9 @@ Per global batch, several candidate plans are formed and the most robust one is 
   (:mod:`lightning_hydra.planner.mcore_fast`), up to :data:`MCORE_BUDGET_MEMORY` where the choice would otherwise be
   a memory-driven formation or within :data:`MCORE_REACH` of one. Within :data:`BALANCE_BUDGET` the front-runner
   under the planner's own model is also formed again with its degrees kept and each microbatch placed to balance its
-  ranks (:func:`balanced_twin`), and within :data:`TWIN_BUDGET` so is every load-driven formation within
-  :data:`TWIN_REACH` of it.
+  ranks (:func:`balanced_twin`); once the model has timed plain rings on both links (:func:`rings_timed`), so is every
+  load-driven formation within :data:`TWIN_REACH` of it (within :data:`TWIN_BUDGET`), and the ``node`` formation is
+  lifted too (:data:`LIFTED_SETS`).
 - **Choice** (:mod:`lightning_hydra.planner.robust`): every candidate is scored under the planner's model and
   perturbed models of another form; the candidate with the smallest worst-case regret wins among those the
   planner's own model predicts no worse than the baselines (the memory-driven formation, static, mcore) and no
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_hydra.planner.calibration import plain_rings_readable
+from lightning_hydra.planner.cost import CostModel
 from lightning_hydra.planner.formation import Formation, form
 from lightning_hydra.planner.mcore_bound import Hopeless
 from lightning_hydra.planner.mcore_fast import schedule_mcore_fast
@@ -74,6 +76,7 @@ __all__ = [
     "balanced_twin",
     "candidate_plans",
     "candidates",
+    "rings_timed",
     "schedule_hydra",
 ]
 
@@ -93,7 +96,13 @@ calibrated model is off by more than the gap between near-equal candidates they 
 robustness benchmark (`bench.robust`) lists both)."""
 LIFTED_SETS = ("node",)
 """Degree sets besides ``pow2`` whose load-driven formations are also lifted by :data:`LIFTS` within
-:data:`LIFT_BUDGET` (where the set's formation was formed: ``node`` only where it differs from ``pow2``)."""
+:data:`LIFT_BUDGET`, where the set's formation was formed (``node`` only where it differs from ``pow2``) and the cost
+model timed plain rings on both links (:func:`rings_timed`). Fewer raised degrees in whole Ulysses blocks: where
+communication is dear (issue 58; 64 ranks, 256K Pareto lengths, ``dear50``) hydra's choice on a held-out batch went
+from the memory-driven formation to a lifted ``node`` formation balanced, 3.4% faster under the truth. The ``fine``
+set is not lifted: with its odd all-ring groups lifted, a miscalibrated model (512 ranks x 32K standard-library
+lengths, ``bw0.5`` truth: the closed-loop staking test of ``tests/test_truth_family.py``) guarded by the baseline
+slack alone took a plan the truth timed at 0.72x Megatron's (as fast as it without the lifts)."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
@@ -151,10 +160,10 @@ formation and its cost tables: 1.43x hydra's planning time at 2,048 ranks x 256K
 
 
 TWIN_REACH = 0.05
-"""Within :data:`TWIN_BUDGET`, the load-driven formations predicted within this share of the front-runner (under the
-planner's own model) are also formed again balanced (:func:`_twin_sources`): robust selection often takes another
-formation than the front-runner, and a balanced twin of a lifted or ``node`` formation can beat every formation
-unbalanced (issue 58)."""
+"""Within :data:`TWIN_BUDGET` and once the model timed plain rings on both links (:func:`rings_timed`), the
+load-driven formations predicted within this share of the front-runner (under the planner's own model) are also
+formed again balanced (:func:`_twin_sources`): robust selection often takes another formation than the front-runner,
+and a balanced twin of a lifted or ``node`` formation can beat every formation unbalanced (issue 58)."""
 TWIN_BUDGET = LIFT_BUDGET
 """Largest ``sequences * sqrt(ranks)`` for which the twins of :data:`TWIN_REACH` are formed besides the
 front-runner's (:data:`BALANCE_BUDGET`). Each costs up to four placements per microbatch, about what a lifted
@@ -269,7 +278,9 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     tab = tables["pow2"]
     if _within(req, LIFT_BUDGET):
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
-        for name in LIFTED_SETS:  # the other degree sets' load-driven formations, where formed
+        for name in (
+            LIFTED_SETS if rings_timed(req.cost) else ()
+        ):  # the other degree sets' load-driven formations, where formed
             base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
             if base is not None:
                 out += [form(req, base.degrees, raise_degrees=True, tables=tables[name], lift=lift) for lift in LIFTS]
@@ -379,7 +390,7 @@ def _choice(req: PlanRequest) -> _Choice:
     # hydra's own prediction; each scored as laid out (a ring is charged the link its ranks use)
     formed_spans = [spans(*f.flat(), crosses=f.crosses(req)) for f in formed]
     if formed and _within(req, BALANCE_BUDGET):  # the front-runners under the planner's own model, balanced
-        for i in _twin_sources(formed, formed_spans, _within(req, TWIN_BUDGET)):
+        for i in _twin_sources(formed, formed_spans, _within(req, TWIN_BUDGET) and rings_timed(req.cost)):
             twin = balanced_twin(req, formed[i], tables)
             formed.append(twin)
             formed_spans.append(spans(*twin.flat(), crosses=twin.crosses(req)))
@@ -468,6 +479,19 @@ def _explore(req: PlanRequest, formed: list[Formation], scored: list[Scored], we
         and any(used and untimed for used, untimed in zip(f.plain_rings(req), (intra, inter), strict=True))
     ]
     return min(eligible, key=lambda i: (own[i], i), default=pick)
+
+
+def rings_timed(cost: CostModel) -> bool:
+    """Whether ``cost`` was calibrated on plain rings over every link it tells apart (inside a node where it knows
+    the node's ranks, and across nodes): the condition under which hydra adds the lifted :data:`LIFTED_SETS`
+    formations and the twins within :data:`TWIN_REACH`. Until then the ensemble's ring members charge plain rings
+    what they may cost, and these candidates (balanced, lifted, in whole Ulysses blocks) are hedges close enough to
+    the fine formation's span that robust selection takes them over it: a closed loop would then never time plain
+    rings, and never learn that they cost what its model says (measured on drawn truths at 512 ranks x 256K, where
+    that kept hydra 2.5-3.1% below the fine formation its model ranked first)."""
+    return bool(
+        cost.rings_measured and cost.inter_rings_measured and (cost.intra_rings_measured or not cost.ranks_per_node)
+    )
 
 
 def _twin_sources(formed: list[Formation], formed_spans: list[np.ndarray], reach: bool = True) -> list[int]:
