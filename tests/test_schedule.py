@@ -1113,6 +1113,34 @@ def test_the_node_formation_is_lifted_too_and_front_runners_within_reach_are_bal
     assert not {f.name for f in hydra.candidates(req)} & set(lifted)
 
 
+def test_long_single_rank_sequences_may_be_raised_within_the_raise_budget(monkeypatch) -> None:
+    """Within ``RAISE_BUDGET`` a sequence that fits one rank is a column of the multi-rank tables (it may take more
+    ranks, above all in the last microbatch) once its work is above ``RAISE_SHARE`` of a rank's mean work per
+    microbatch; above the budget, above ``RAISE_SHARE_LARGE``. The sequences between the two shares are raised only
+    within the budget, and every formation stays a valid plan of the whole batch."""
+    import lightning_hydra.planner.tables as tables
+
+    batch = make_batch("stdlib", world_size=64, capacity=16384, num_microbatches=8, fill=0.75, context=262144, seed=3)
+    req = _request(batch, llama8b_cost(), 64, 16384, 8)
+    ds = DegreeSet.build(req.rules, "pow2")
+
+    def raised(tab: tables.Tables, share: float) -> np.ndarray:
+        alone = tab.cost_min - tab.fixed[tab.min_class]
+        mean = float(tab.work_min.sum()) / (64 * 8)
+        return np.flatnonzero((tab.min_class > 0) | (alone > share * mean))
+
+    within = tables.Tables(req, ds)
+    assert np.array_equal(within.multi, raised(within, tables.RAISE_SHARE))
+    monkeypatch.setattr(tables, "RAISE_BUDGET", batch.size * math.sqrt(64) - 1)
+    above = tables.Tables(req, ds)
+    assert np.array_equal(above.multi, raised(above, tables.RAISE_SHARE_LARGE))
+    between = np.setdiff1d(within.multi, above.multi)
+    assert between.size and (within.min_class[between] == 0).all()  # single-rank sequences only
+    monkeypatch.undo()
+    for load_driven in (True, False):
+        form(req, ds, raise_degrees=load_driven).plan(req).check(batch.tolist(), 16384)
+
+
 def test_the_planner_benchmark_reports_each_plans_digest() -> None:
     """``bench.schedule`` reports every policy's plan digest, so that two commits' outputs tell whether a change
     altered any plan (and figures measured on those plans need a new run)."""
