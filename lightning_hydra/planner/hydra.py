@@ -102,7 +102,7 @@ communication is dear (issue 58; 64 ranks, 256K Pareto lengths, ``dear50``) hydr
 from the memory-driven formation to a lifted ``node`` formation balanced, 3.4% faster under the truth. The ``fine``
 set is not lifted: with its odd all-ring groups lifted, a miscalibrated model (512 ranks x 32K standard-library
 lengths, ``bw0.5`` truth: the closed-loop staking test of ``tests/test_truth_family.py``) guarded by the baseline
-slack alone took a plan the truth timed at 0.72x Megatron's (as fast as it without the lifts)."""
+slack alone took a plan the truth timed at 0.72x Megatron's (without the lifts the slack alone keeps it as fast)."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
@@ -278,9 +278,8 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     tab = tables["pow2"]
     if _within(req, LIFT_BUDGET):
         out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
-        for name in (
-            LIFTED_SETS if rings_timed(req.cost) else ()
-        ):  # the other degree sets' load-driven formations, where formed
+        lifted_sets = LIFTED_SETS if rings_timed(req.cost) else ()
+        for name in lifted_sets:  # the other degree sets' load-driven formations, where formed
             base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
             if base is not None:
                 out += [form(req, base.degrees, raise_degrees=True, tables=tables[name], lift=lift) for lift in LIFTS]
