@@ -114,6 +114,13 @@ class CostModel:
     then fitted, and checked, on the rings the robust choice's ring members hedge
     (:func:`~lightning_hydra.planner.robust.ensemble`)."""
 
+    @property
+    def plain_rings_timed(self) -> bool:
+        """Whether the last refit's window timed rings without a Ulysses level on every ring link the model tells
+        apart: across nodes (:attr:`inter_rings_measured`), and inside a node where it knows the node's ranks
+        (:attr:`intra_rings_measured`)."""
+        return bool(self.inter_rings_measured and (self.intra_rings_measured or not self.ranks_per_node))
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def for_transformer(

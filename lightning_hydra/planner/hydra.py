@@ -276,10 +276,9 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     if "pow2" not in tables:
         tables["pow2"] = Tables(req, ds)
     tab = tables["pow2"]
-    if _within(req, LIFT_BUDGET):
-        out += [form(req, ds, raise_degrees=True, tables=tab, lift=lift) for lift in LIFTS]
-        lifted_sets = LIFTED_SETS if rings_timed(req.cost) else ()
-        for name in lifted_sets:  # the other degree sets' load-driven formations, where formed
+    if _within(req, LIFT_BUDGET):  # the power-of-two formation lifted, then LIFTED_SETS' where formed and timed
+        lifted = ("pow2", *LIFTED_SETS) if rings_timed(req.cost) else ("pow2",)
+        for name in lifted:
             base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
             if base is not None:
                 out += [form(req, base.degrees, raise_degrees=True, tables=tables[name], lift=lift) for lift in LIFTS]
@@ -488,9 +487,7 @@ def rings_timed(cost: CostModel) -> bool:
     the fine formation's span that robust selection takes them over it: a closed loop would then never time plain
     rings, and never learn that they cost what its model says (measured on drawn truths at 512 ranks x 256K, where
     that kept hydra 2.5-3.1% below the fine formation its model ranked first)."""
-    return bool(
-        cost.rings_measured and cost.inter_rings_measured and (cost.intra_rings_measured or not cost.ranks_per_node)
-    )
+    return cost.rings_measured and cost.plain_rings_timed
 
 
 def _twin_sources(formed: list[Formation], formed_spans: list[np.ndarray], reach: bool = True) -> list[int]:

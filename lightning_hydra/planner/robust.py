@@ -167,7 +167,7 @@ def member_weights(models: list[CostModel]) -> np.ndarray:
     own = models[0]
     if own.rings_measured:
         weights[_COMM_MEMBER] = MEASURED_COMM_WEIGHT
-    if own.inter_rings_measured and (own.intra_rings_measured or not own.ranks_per_node):
+    if own.plain_rings_timed:
         weights[_SHARE_MEMBER] = EXPOSED_SHARE_WEIGHT if own.exposure_measured else MEASURED_SHARE_WEIGHT
     return weights
 
