@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from lightning_hydra.bench.batches import make_batch
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, DegreeRules, PlanError, megatron_min_degree, schedule
-from lightning_hydra.planner.formation import REACH, form
+from lightning_hydra.planner.formation import REACH, Formation, form
 from lightning_hydra.planner.hydra import MCORE_BUDGET, MCORE_BUDGET_MEMORY, MCORE_REACH
 from lightning_hydra.planner.layout import layout
 from lightning_hydra.planner.request import PlanRequest
@@ -1031,6 +1031,14 @@ def test_static_is_scored_on_where_its_plan_puts_each_bin():
     assert layout_.crosses(req).sum() == 2 * 2  # ranks 4-7 and 16-19, in both microbatches
 
 
+def _ranks_per_token(formation: Formation, req: PlanRequest) -> float:
+    """The ranks ``formation``'s plan spends per token of the batch (its degrees weighted by length), after checking
+    the plan: every sequence once, within capacity, groups aligned."""
+    plan = formation.plan(req)
+    plan.check(req.lengths.tolist(), req.capacity)
+    return float((plan.sequence_degrees() * req.lengths).sum() / req.lengths.sum())
+
+
 def test_lifted_formations_raise_fewer_degrees_and_stay_within_their_budget(monkeypatch) -> None:
     """Within ``LIFT_BUDGET`` hydra also forms power-of-two plans whose degrees are chosen at ``LIFTS`` times the
     level: on a fixed 256K batch each lift spends fewer ranks per token than the one below it and no fewer than the
@@ -1046,14 +1054,9 @@ def test_lifted_formations_raise_fewer_degrees_and_stay_within_their_budget(monk
     lifted = [f"pow2/load/x{lift:g}" for lift in hydra.LIFTS]
     assert lifted and set(lifted) <= set(formed)
 
-    def ranks_per_token(name: str) -> float:
-        plan = formed[name].plan(req)
-        plan.check(batch.tolist(), 16384)  # every sequence once, within capacity, groups aligned
-        return float((plan.sequence_degrees() * batch).sum() / batch.sum())
-
-    ladder = [ranks_per_token(name) for name in ["pow2/load", *lifted]]
+    ladder = [_ranks_per_token(formed[name], req) for name in ["pow2/load", *lifted]]
     assert all(a > b for a, b in itertools.pairwise(ladder)), ladder
-    assert ladder[-1] >= ranks_per_token("pow2/memory")
+    assert ladder[-1] >= _ranks_per_token(formed["pow2/memory"], req)
 
     monkeypatch.setattr(hydra, "LIFT_BUDGET", batch.size * math.sqrt(64) - 1)
     assert not {f.name for f in hydra.candidates(req)} & set(lifted)
@@ -1085,12 +1088,8 @@ def test_the_node_formation_is_lifted_too_and_front_runners_within_reach_are_bal
     lifted = [f"node/load/x{lift:g}" for lift in hydra.LIFTS]
     assert "node/load" in formed and set(lifted) <= set(formed)
 
-    def ranks_per_token(name: str) -> float:
-        plan = formed[name].plan(req)
-        plan.check(batch.tolist(), 16384)
-        return float((plan.sequence_degrees() * batch).sum() / batch.sum())
-
-    assert all(ranks_per_token(name) <= ranks_per_token("node/load") + 1e-9 for name in lifted)
+    unlifted = _ranks_per_token(formed["node/load"], req)
+    assert all(_ranks_per_token(formed[name], req) <= unlifted + 1e-9 for name in lifted)
 
     choice = hydra._choice(req)
     own = {s.name: float(s.spans[0]) for s in choice.scored}
