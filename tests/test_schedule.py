@@ -1140,6 +1140,28 @@ def test_long_single_rank_sequences_may_be_raised_within_the_raise_budget(monkey
         form(req, ds, raise_degrees=load_driven).plan(req).check(batch.tolist(), 16384)
 
 
+def test_the_planner_benchmark_plans_with_rings_timed_on_request() -> None:
+    """``bench.schedule``'s ``rings_timed`` plans with the model marked as calibrated on plain rings over both links,
+    where hydra adds its twins within reach and ``node`` lifts: on a 64-rank 256K batch (seed 1, where that changes
+    the plan) the plan is the one ``schedule`` makes with that model, not the analytic model's, and the record says
+    so."""
+    from lightning_hydra.bench.schedule import CONTEXTS, run_scenario
+
+    longest, capacity = CONTEXTS["256K"]
+    kw = {"world_size": 64, "context": "256K", "fill": 0.75, "distribution": "lognormal", "num_microbatches": 8}
+    record = run_scenario(**kw, repeat=1, seed=1, policies=["hydra"], mcore_repeat=1, rings_timed=True)
+    lengths = make_batch("lognormal", world_size=64, capacity=capacity, num_microbatches=8, fill=0.75, context=longest,
+                         seed=1)  # fmt: skip
+    analytic = llama8b_cost()
+    timed = analytic.replace(rings_measured=True, intra_rings_measured=True, inter_rings_measured=True)
+    plans = {
+        name: _run(lengths, "hydra", cost, world=64, capacity=capacity, microbatches=8, max_seq_len=longest,
+                   num_kv_heads=8).digest()
+        for name, cost in (("timed", timed), ("analytic", analytic))
+    }  # fmt: skip
+    assert record["rings_timed"] and record["policies"]["hydra"]["digest"] == plans["timed"] != plans["analytic"]
+
+
 def test_the_planner_benchmark_reports_each_plans_digest() -> None:
     """``bench.schedule`` reports every policy's plan digest, so that two commits' outputs tell whether a change
     altered any plan (and figures measured on those plans need a new run)."""

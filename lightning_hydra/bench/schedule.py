@@ -4,6 +4,7 @@ Prints one JSON object per scenario (and a summary) to stdout::
 
     python -m lightning_hydra.bench.schedule            # quick grid: pools of 64 and 512 ranks
     python -m lightning_hydra.bench.schedule --full     # adds 2048 ranks (mcore takes a while there)
+    python -m lightning_hydra.bench.schedule --rings-timed  # plan as a run whose calibration timed plain rings
 
 Per policy: efficiency ``(useful compute / N) / sum_m max_r load[m, r]`` (communication charged as waste),
 max/mean of per-rank load summed over microbatches, microbatches used, degree histogram, mean degree and its
@@ -12,6 +13,10 @@ process's CPU time, which a machine shared with other work inflates less; the lo
 ``schedule_cpu_ms_min``: the fastest run's CPU time, the figure a machine whose speed drifts affects least), and the
 plan's :meth:`~lightning_hydra.planner.Plan.digest`: two commits' outputs tell whether a change altered any plan
 (the same digest on every batch: the same plans, so figures measured on them need no new run).
+
+The planner plans with the analytic model; ``--rings-timed`` marks it as a calibrated one that has timed plain rings
+on both links (:func:`~lightning_hydra.planner.hydra.rings_timed`), the state in which hydra also forms its twins
+within reach and the ``node`` lifts: run in two checkouts, it tells what those cost a plan's time.
 """
 
 from __future__ import annotations
@@ -83,10 +88,14 @@ def run_scenario(
     seed: int,
     policies: list[str],
     mcore_repeat: int,
+    rings_timed: bool = False,
 ) -> dict:
-    """Plan one batch with every policy; return the scenario's JSON record."""
+    """Plan one batch with every policy; return the scenario's JSON record. ``rings_timed``: the model is marked as
+    calibrated on plain rings over both links (module docstring)."""
     longest, capacity = CONTEXTS[context]
     cost = llama8b_cost()
+    if rings_timed:
+        cost = cost.replace(rings_measured=True, intra_rings_measured=True, inter_rings_measured=True)
     lengths = make_batch(
         distribution,
         world_size=world_size,
@@ -106,6 +115,8 @@ def run_scenario(
         "tokens": int(lengths.sum()),
         "policies": {},
     }
+    if rings_timed:
+        record["rings_timed"] = True
     for policy in policies:
         times, cpu, plan = [], [], None
         for _ in range(mcore_repeat if policy == "mcore" else repeat):
@@ -159,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timing repeats for static and hydra")
     parser.add_argument("--mcore-repeat", type=int, default=1, help="timing repeats for mcore (slow at scale)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rings-timed", action="store_true", help="plan with a model marked as having timed plain rings on both links"
+    )
     args = parser.parse_args(argv)
     sizes = args.world_sizes or ([64, 512, 2048] if args.full else [64, 512])
     records = []
@@ -176,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         seed=args.seed,
                         policies=args.policies,
                         mcore_repeat=args.mcore_repeat,
+                        rings_timed=args.rings_timed,
                     )
                     records.append(rec)
                     print(json.dumps(rec), flush=True)
