@@ -102,7 +102,9 @@ communication is dear (issue 58; 64 ranks, 256K Pareto lengths, ``dear50``) hydr
 from the memory-driven formation to a lifted ``node`` formation balanced, 3.4% faster under the truth. The ``fine``
 set is not lifted: with its odd all-ring groups lifted, a miscalibrated model (512 ranks x 32K standard-library
 lengths, ``bw0.5`` truth: the closed-loop staking test of ``tests/test_truth_family.py``) guarded by the baseline
-slack alone took a plan the truth timed at 0.72x Megatron's (without the lifts the slack alone keeps it as fast)."""
+slack alone took a plan the truth timed at 0.72x Megatron's (without the lifts the slack alone keeps it as fast).
+That was before :func:`rings_timed` gated the lifts: that model has timed no plain ring, so now it forms none. Whether
+lifted ``fine`` formations help once rings are timed was not measured."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
