@@ -786,12 +786,12 @@ def test_megatrons_plan_joins_where_the_choice_is_within_reach_of_the_memory_dri
     before it, Megatron's placement only where the memory-driven formation itself is chosen, skipped it where a
     load-driven formation that raised no degree was chosen)."""
     import lightning_hydra.planner.hydra as hydra_module
-    from lightning_hydra.bench.robust import _batches, _closed_loop
+    from lightning_hydra.bench.robust import cell_batches, closed_loop
     from lightning_hydra.sim.family import truth
 
     hw = truth("base", 32).replace(gemm_half_tokens=4096.0)
-    cost = _closed_loop(_batches("lognormal", 256, "32K", range(2000, 2004)), hw, 256, "32K")
-    lengths = _batches("lognormal", 256, "32K", range(1002, 1003))[0]
+    cost = closed_loop(cell_batches("lognormal", 256, "32K", range(2000, 2004)), hw, 256, "32K")
+    lengths = cell_batches("lognormal", 256, "32K", range(1002, 1003))[0]
     kw = {"world": 256, "capacity": 4096, "microbatches": 8, "max_seq_len": 32768}
     assert MCORE_BUDGET < lengths.size * math.sqrt(256) <= MCORE_BUDGET_MEMORY
     plan = _run(lengths, "hydra", cost, **kw)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_hydra.bench.batches import make_batch
-from lightning_hydra.bench.robust import EFFICIENCY_TARGET, LLAMA_8B, RATIO_TARGETS, _plan, efficiency
+from lightning_hydra.bench.robust import EFFICIENCY_TARGET, LLAMA_8B, RATIO_TARGETS, efficiency, plan_batch
 from lightning_hydra.bench.schedule import llama8b_cost
 from lightning_hydra.planner import CostModel, schedule
 from lightning_hydra.planner.calibration import CostCalibrator, bin_features, plan_features, predict, relative_error
@@ -248,15 +248,15 @@ def test_the_closed_loop_does_not_stake_a_step_on_a_plan_a_member_says_loses(mon
     a member that only floors the exposure) it is 45% slower (0.547x), so this test can fail."""
     import lightning_hydra.planner.hydra as hydra_module
     import lightning_hydra.planner.robust as robust_module
-    from lightning_hydra.bench.robust import _batches
+    from lightning_hydra.bench.robust import cell_batches
 
     hw = truth("bw0.5", LLAMA_8B.num_layers)
-    batch = _batches("stdlib", 512, "32K", range(2001, 2002))[0]
+    batch = cell_batches("stdlib", 512, "32K", range(2001, 2002))[0]
     fitted = llama8b_cost().replace(
         attn=1.83e-9, linear=5.0e-5, seq_overhead=0.0, length_overhead=2.7e-7, bin_overhead=0.029,
         intra_node_bandwidth=40e9, p2p_latency=1.9e-3, ring_exposure=0.0, rings_measured=True,
     )  # fmt: skip
-    megatron = efficiency(_plan(batch, "mcore", fitted, 512, "32K", mcore_fast=True)[0], hw)[0]
+    megatron = efficiency(plan_batch(batch, "mcore", fitted, 512, "32K", mcore_fast=True)[0], hw)[0]
 
     def step(slack: bool, links: bool) -> float:
         with monkeypatch.context() as m:
@@ -264,7 +264,7 @@ def test_the_closed_loop_does_not_stake_a_step_on_a_plan_a_member_says_loses(mon
                 m.setattr(hydra_module, "BASELINE_SLACK", None)
             if not links:
                 m.setattr(robust_module, "_ring_member", lambda c: c.replace(ring_exposure=max(c.ring_exposure, 1.0)))
-            return efficiency(_plan(batch, "hydra", fitted, 512, "32K")[0], hw)[0]
+            return efficiency(plan_batch(batch, "hydra", fitted, 512, "32K")[0], hw)[0]
 
     for slack, links in ((True, True), (True, False), (False, True)):
         assert step(slack, links) > 0.98 * megatron
@@ -306,7 +306,7 @@ def test_a_measured_ring_share_is_not_outvoted_by_a_full_weight_share_hedge(monk
     memory-driven formation, and at full weight hydra took that formation; at half weight it takes the fine one, which
     the truth times more than 5% faster (hydra 1.016x mcore -> 1.072x in the drawn-truth benchmark)."""
     import lightning_hydra.planner.robust as robust_module
-    from lightning_hydra.bench.robust import _batches
+    from lightning_hydra.bench.robust import cell_batches
 
     fitted = CostModel.from_dict(
         {
@@ -320,11 +320,11 @@ def test_a_measured_ring_share_is_not_outvoted_by_a_full_weight_share_hedge(monk
             "inter_rings_measured": True,
         }
     )  # fmt: skip
-    batch = _batches("lognormal", 2048, "256K", range(6000, 6001), 0.75, 8)[0]
-    half, _ = _plan(batch, "hydra", fitted, 2048, "256K", 8)
+    batch = cell_batches("lognormal", 2048, "256K", range(6000, 6001), 0.75, 8)[0]
+    half, _ = plan_batch(batch, "hydra", fitted, 2048, "256K", 8)
     with monkeypatch.context() as m:
         m.setattr(robust_module, "MEASURED_SHARE_WEIGHT", 1.0)
-        full, _ = _plan(batch, "hydra", fitted, 2048, "256K", 8)
+        full, _ = plan_batch(batch, "hydra", fitted, 2048, "256K", 8)
     assert full.stats["candidate"] == "pow2/memory" and half.stats["candidate"] == "fine/load"
     assert full.stats["regret/fine/load"] > full.stats["regret/pow2/memory"]  # the hedge alone decided
     assert half.efficiency(fitted) > full.efficiency(fitted)  # the planner's own model prefers the fine one
@@ -339,7 +339,7 @@ def test_an_untimed_inter_node_link_is_slowed_at_most_by_half():
     intra-node ring link to the all-to-all's rate (the same link) and the inter-node one, which no all-to-all
     crosses, to half, not to the all-to-all's quarter: hydra then takes the fine candidate, which the truth times more
     than 4% faster than the power-of-two formation it took when the member ran the inter-node rings at a quarter."""
-    from lightning_hydra.bench.robust import _batches, _request
+    from lightning_hydra.bench.robust import _request, cell_batches
     from lightning_hydra.planner.hydra import candidate_plans
 
     fitted = CostModel.from_dict(
@@ -358,8 +358,8 @@ def test_an_untimed_inter_node_link_is_slowed_at_most_by_half():
     assert ring_member.inter_node_bandwidth == fitted.inter_node_bandwidth / UNTIMED_INTER_NODE_SLOWDOWN
     timed = fitted.replace(intra_rings_measured=True, inter_rings_measured=True)
     assert ensemble(timed)[-1].inter_node_bandwidth == fitted.inter_node_bandwidth  # a timed link is not slowed
-    batch = _batches("stdlib", 2048, "256K", range(6000, 6001), 0.75, 8)[0]
-    plan, _ = _plan(batch, "hydra", fitted, 2048, "256K", 8)
+    batch = cell_batches("stdlib", 2048, "256K", range(6000, 6001), 0.75, 8)[0]
+    plan, _ = plan_batch(batch, "hydra", fitted, 2048, "256K", 8)
     assert plan.stats["candidate"] == "fine/load"
     power_of_two = candidate_plans(_request(batch, fitted, 2048, "256K"))["pow2/load"]
     hw = truth("random35", LLAMA_8B.num_layers)
@@ -373,14 +373,14 @@ def test_where_communication_is_dear_a_lifted_node_formation_balanced_beats_the_
     less than half as long as that formation, with no more exposed communication than Megatron's plan plus one point
     of the step)."""
     import lightning_hydra.planner.hydra as hydra
-    from lightning_hydra.bench.robust import _batches, _closed_loop, breakdown
+    from lightning_hydra.bench.robust import breakdown, cell_batches, closed_loop
 
     hw = truth("dear50", LLAMA_8B.num_layers)
-    batch = _batches("pareto", 64, "256K", range(1000, 1001))[0]
+    batch = cell_batches("pareto", 64, "256K", range(1000, 1001))[0]
 
     def planned() -> tuple[CostModel, object]:
-        cost = _closed_loop(_batches("pareto", 64, "256K", range(2000, 2008)), hw, 64, "256K")
-        return cost, _plan(batch, "hydra", cost, 64, "256K")[0]
+        cost = closed_loop(cell_batches("pareto", 64, "256K", range(2000, 2008)), hw, 64, "256K")
+        return cost, plan_batch(batch, "hydra", cost, 64, "256K")[0]
 
     cost, plan = planned()
     with monkeypatch.context() as m:
@@ -391,7 +391,7 @@ def test_where_communication_is_dear_a_lifted_node_formation_balanced_beats_the_
     assert plan.stats["candidate"].startswith("node/load/x") and plan.stats["candidate"].endswith("/bal")
     assert efficiency(plan, hw)[0] > 1.03 * efficiency(before, hw)[0]
     mine, theirs = breakdown(plan, hw, LLAMA_8B, cost), breakdown(before, hw, LLAMA_8B, cost)
-    megatron = breakdown(_plan(batch, "mcore", cost, 64, "256K")[0], hw, LLAMA_8B, cost)
+    megatron = breakdown(plan_batch(batch, "mcore", cost, 64, "256K")[0], hw, LLAMA_8B, cost)
     assert mine["waiting"] < 0.5 * theirs["waiting"]
     assert mine["communication"] <= megatron["communication"] + 0.01
 
@@ -403,7 +403,7 @@ def test_a_checked_exposure_is_not_hedged_back_to_one():
     the model's). With that exposure checked, the ring member keeps it and the ring-share member steps aside, and
     hydra takes the fine candidate its model ranks first, which the truth times more than 2% faster than the
     memory-driven formation it took while those members charged the fine candidate's rings 7-10% more."""
-    from lightning_hydra.bench.robust import _batches, _request
+    from lightning_hydra.bench.robust import _request, cell_batches
     from lightning_hydra.planner.hydra import candidate_plans
 
     fitted = CostModel.from_dict(
@@ -419,10 +419,10 @@ def test_a_checked_exposure_is_not_hedged_back_to_one():
         }
     )  # fmt: skip
     assert fitted.exposure_measured and fitted.intra_rings_measured and fitted.inter_rings_measured
-    batch = _batches("lognormal", 512, "256K", range(6000, 6001), 0.75, 8)[0]
-    plan, _ = _plan(batch, "hydra", fitted, 512, "256K", 8)
+    batch = cell_batches("lognormal", 512, "256K", range(6000, 6001), 0.75, 8)[0]
+    plan, _ = plan_batch(batch, "hydra", fitted, 512, "256K", 8)
     assert plan.stats["candidate"] == "fine/load"
-    hedged, _ = _plan(batch, "hydra", fitted.replace(exposure_measured=False), 512, "256K", 8)
+    hedged, _ = plan_batch(batch, "hydra", fitted.replace(exposure_measured=False), 512, "256K", 8)
     # the memory-driven degrees: the x1.5 lift raises none on this batch, and its balanced twin keeps them
     assert hedged.stats["candidate"] in ("pow2/memory", "pow2/load/x1.5/bal")
     memory = candidate_plans(_request(batch, fitted, 512, "256K"))["pow2/memory"]
@@ -439,13 +439,13 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
     fine candidate without exploring, which the truth times more than 1.5% faster than the memory-driven
     formation. An uncalibrated model, one whose links were timed and one whose two ring links run at the same rate
     (the measurements cannot tell which a plain ring ran on, so no refit would mark it) never explore."""
-    from lightning_hydra.bench.robust import _batches, _request, analytic_cost
+    from lightning_hydra.bench.robust import _request, analytic_cost, cell_batches
     from lightning_hydra.planner.hydra import _choice, _explore, candidate_plans
 
     hw = truth("base", LLAMA_8B.num_layers)
     cost, calibrator, explored = analytic_cost(), CostCalibrator(), []
-    for lengths in _batches("lognormal", 64, "256K", range(2000, 2008), 0.75, 16):
-        plan, _ = _plan(lengths, "hydra", cost, 64, "256K", 16)
+    for lengths in cell_batches("lognormal", 64, "256K", range(2000, 2008), 0.75, 16):
+        plan, _ = plan_batch(lengths, "hydra", cost, 64, "256K", 16)
         if "explored_over" in plan.stats:
             assert cost.rings_measured and not (cost.intra_rings_measured and cost.inter_rings_measured)
             explored.append((plan.stats["explored_over"], plan.stats["candidate"]))
@@ -456,15 +456,15 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
     # planned instead of is the memory-driven formation or, with the twins, the most lifted one balanced
     assert explored in ([("pow2/memory", "fine/load/bal")], [("pow2/load/x1.5/bal", "fine/load/bal")])
     assert cost.intra_rings_measured and cost.inter_rings_measured
-    batch = _batches("lognormal", 64, "256K", range(1000, 1001), 0.75, 16)[0]
-    plan, _ = _plan(batch, "hydra", cost, 64, "256K", 16)
+    batch = cell_batches("lognormal", 64, "256K", range(1000, 1001), 0.75, 16)[0]
+    plan, _ = plan_batch(batch, "hydra", cost, 64, "256K", 16)
     assert plan.stats["candidate"] in ("fine/load", "fine/load/bal") and "explored_over" not in plan.stats
     memory = candidate_plans(_request(batch, cost, 64, "256K", 16))["pow2/memory"]
     assert efficiency(plan, hw)[0] > 1.015 * efficiency(memory, hw)[0]
     # the step before the refit explored; the same model never explores uncalibrated, nor with both links timed
     untimed = cost.replace(intra_rings_measured=False, inter_rings_measured=False)
     for model, explores in ((untimed, True), (untimed.replace(rings_measured=False), False), (cost, False)):
-        plan, _ = _plan(batch, "hydra", model, 64, "256K", 16)
+        plan, _ = plan_batch(batch, "hydra", model, 64, "256K", 16)
         assert ("explored_over" in plan.stats) == explores
     # the same candidates, but a model whose ring links run at the same rate: the choice stands
     choice = _choice(_request(batch, untimed, 64, "256K", 16))
@@ -478,14 +478,14 @@ def test_ring_links_read_every_candidates_layout_from_its_features():
     """On every candidate plan of 64- and 512-rank batches (the fine candidate's rings inside and across nodes,
     Megatron's and the power-of-two rings across), :func:`ring_links` of the plan's features gives each rank's ring
     link exactly as the plan's layout has it."""
-    from lightning_hydra.bench.robust import _batches, _request
+    from lightning_hydra.bench.robust import _request, cell_batches
     from lightning_hydra.planner.calibration import INTER, INTRA, ring_links
     from lightning_hydra.planner.hydra import candidate_plans
 
     cost = llama8b_cost()
     seen = set()
     for world, context, dist in ((64, "256K", "pareto"), (512, "32K", "lognormal")):
-        batch = _batches(dist, world, context, range(1000, 1001))[0]
+        batch = cell_batches(dist, world, context, range(1000, 1001))[0]
         for plan in candidate_plans(_request(batch, cost, world, context)).values():
             mb, start, u, r, _, gid = plan.flat()
             crosses = cost.crossing(start, u * r)
@@ -509,20 +509,20 @@ def test_a_calibrated_model_is_not_outvoted_by_a_full_weight_bandwidth_hedge(mon
     rings, whatever the weight, :func:`~lightning_hydra.planner.hydra._explore`.)"""
     import lightning_hydra.planner.hydra as hydra_module
     import lightning_hydra.planner.robust as robust_module
-    from lightning_hydra.bench.robust import _batches, _closed_loop
+    from lightning_hydra.bench.robust import cell_batches, closed_loop
 
     monkeypatch.setattr(hydra_module, "EXPLORE_GAIN", 1.0)  # no formation is predicted twice as fast
     hw = truth("base", LLAMA_8B.num_layers)
-    timed = _closed_loop(_batches("stdlib", 64, "256K", range(2000, 2002), 0.75, 4), hw, 64, "256K", 4)
+    timed = closed_loop(cell_batches("stdlib", 64, "256K", range(2000, 2002), 0.75, 4), hw, 64, "256K", 4)
     assert timed.rings_measured and timed.intra_rings_measured and timed.inter_rings_measured
     untold = timed.replace(intra_rings_measured=False, inter_rings_measured=False)
     # held-out batch 1007: where the hedge decides (on batches 1000-1006 both weights choose alike)
-    batch = _batches("stdlib", 64, "256K", range(1007, 1008), 0.75, 4)[0]
-    half, _ = _plan(batch, "hydra", untold, 64, "256K", 4)
+    batch = cell_batches("stdlib", 64, "256K", range(1007, 1008), 0.75, 4)[0]
+    half, _ = plan_batch(batch, "hydra", untold, 64, "256K", 4)
     with monkeypatch.context() as m:
         m.setattr(robust_module, "MEASURED_COMM_WEIGHT", 1.0)
-        full, _ = _plan(batch, "hydra", untold, 64, "256K", 4)
-        timed_full, _ = _plan(batch, "hydra", timed, 64, "256K", 4)
+        full, _ = plan_batch(batch, "hydra", untold, 64, "256K", 4)
+        timed_full, _ = plan_batch(batch, "hydra", timed, 64, "256K", 4)
     assert half.stats["candidate"] == "fine/load" != full.stats["candidate"]
     assert half.efficiency(untold) > full.efficiency(untold)  # the planner's own model prefers it
     assert efficiency(half, hw)[0] > 1.03 * efficiency(full, hw)[0]
@@ -548,11 +548,11 @@ def test_a_ring_exposure_fitted_below_one_does_not_make_short_rings_free(monkeyp
     lengths = make_batch("stdlib", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=3)
     hw = truth("share50", LLAMA_8B.num_layers)
 
-    robust, _ = _plan(lengths, "hydra", fitted, 32, "32K", 4)  # as the robustness benchmark plans
+    robust, _ = plan_batch(lengths, "hydra", fitted, 32, "32K", 4)  # as the robustness benchmark plans
     assert robust.stats["candidate"] != "fine/load"
     with monkeypatch.context() as m:
         m.setattr(hydra_module, "ensemble", lambda cost: ensemble(cost)[:-1])
-        fragile, _ = _plan(lengths, "hydra", fitted, 32, "32K", 4)
+        fragile, _ = plan_batch(lengths, "hydra", fitted, 32, "32K", 4)
     assert fragile.stats["candidate"] == "fine/load"  # what the member prevents
     # the same batch's efficiency under the truth: the robust plan's step time under 0.8x the fragile one's
     assert efficiency(fragile, hw)[0] < 0.8 * efficiency(robust, hw)[0]
@@ -587,7 +587,7 @@ def test_unmeasured_rings_are_charged_over_links_as_slow_as_the_measured_all_to_
     lengths = make_batch("lognormal", world_size=32, capacity=4096, num_microbatches=4, fill=0.9, context=32768, seed=1)
     hw = truth("worst", LLAMA_8B.num_layers)
 
-    (trusting, _), (unmeasured, _) = (_plan(lengths, "hydra", c, 32, "32K", 4) for c in (measured, fitted))
+    (trusting, _), (unmeasured, _) = (plan_batch(lengths, "hydra", c, 32, "32K", 4) for c in (measured, fitted))
     assert trusting.stats["candidate"] == "fine/load" and unmeasured.stats["candidate"] != "fine/load"
     # the same batch's efficiency under the truth: the choice's step time under 0.98x the trusting one's
     assert efficiency(trusting, hw)[0] < 0.98 * efficiency(unmeasured, hw)[0]
@@ -837,14 +837,14 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
     """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
     summary and tables carry it; batches may hold another share of the pool's tokens and be planned into another
     number of microbatches."""
-    from lightning_hydra.bench.robust import _batches, _request, analytic_cost, markdown, run_pool, summarize
+    from lightning_hydra.bench.robust import _request, analytic_cost, cell_batches, markdown, run_pool, summarize
     from lightning_hydra.planner.hydra import candidate_plans
 
     # the benchmark's candidates are planned from the request its hydra plan came from
     cost = CostModel.for_transformer(4096, 32, 32, 8, 14336, 128256)
     for context in ("256K", "32K"):
-        batch = _batches("pareto", 64, context, range(3, 4))[0]
-        plan, _ = _plan(batch, "hydra", cost, 64, context)
+        batch = cell_batches("pareto", 64, context, range(3, 4))[0]
+        plan, _ = plan_batch(batch, "hydra", cost, 64, context)
         same = candidate_plans(_request(batch, cost, 64, context))[str(plan.stats["candidate"])]
         for mine, theirs in zip(same.flat(), plan.flat(), strict=True):
             assert np.array_equal(np.asarray(mine), np.asarray(theirs))
@@ -856,8 +856,8 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
         assert len(cal["best_candidates"]) == 1
         assert max(cal["hydra"], cal["mcore"], cal["static"]) <= cal["ceiling"] < 1  # no plan beats the ceiling
         # the loop's steps as training pays them: the first planned with the analytic model on the first loop batch
-        first = _batches("lognormal", 64, "256K", range(2000, 2001), 0.6, 4)[0]
-        plan, _ = _plan(first, "hydra", analytic_cost(), 64, "256K", 4)
+        first = cell_batches("lognormal", 64, "256K", range(2000, 2001), 0.6, 4)[0]
+        plan, _ = plan_batch(first, "hydra", analytic_cost(), 64, "256K", 4)
         assert len(cal["loop_steps"]) == 2
         assert cal["loop_steps"][0] == round(efficiency(plan, truth(cell["truth"], LLAMA_8B.num_layers))[0], 4)
         assert 0 < cal["loop_min_of_ceiling"] <= 1
@@ -880,7 +880,7 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
 def test_robustness_cells_plan_and_time_the_model_asked():
     """``--model`` plans with that model's heads and analytic costs and times it under the truth at its layers: the
     cell names it and its figures are that model's, not Llama-3-8B's."""
-    from lightning_hydra.bench.robust import LLAMA_70B, _batches, analytic_cost, main, run_pool
+    from lightning_hydra.bench.robust import LLAMA_70B, analytic_cost, cell_batches, main, run_pool
     from lightning_hydra.sim.ceiling import efficiency_ceiling
 
     assert analytic_cost(LLAMA_8B) == llama8b_cost()
@@ -891,8 +891,8 @@ def test_robustness_cells_plan_and_time_the_model_asked():
     assert cell["model"] == "llama3-70b" and "model" not in small
     # the cell's mcore figure and ceiling are the 70B's under the truth at its 80 layers (``seq50`` is per sequence
     # over all layers: timed with the 8B's 32 the figure would differ)
-    batch = _batches("stdlib", 64, "32K", range(1000, 1001))[0]
-    plan, _ = _plan(batch, "mcore", big, 64, "32K", 8, LLAMA_70B)
+    batch = cell_batches("stdlib", 64, "32K", range(1000, 1001))[0]
+    plan, _ = plan_batch(batch, "mcore", big, 64, "32K", 8, LLAMA_70B)
     hw = truth("seq50", LLAMA_70B.num_layers)
     assert cell["calibrated"]["mcore"] == round(efficiency(plan, hw, LLAMA_70B)[0], 4)
     assert cell["calibrated"]["mcore"] != round(efficiency(plan, truth("seq50", 32), LLAMA_70B)[0], 4)

@@ -83,9 +83,12 @@ __all__ = [
     "ROOM",
     "analytic_cost",
     "breakdown",
+    "cell_batches",
+    "closed_loop",
     "efficiency",
     "main",
     "measurement_noise",
+    "plan_batch",
     "run_pool",
 ]
 
@@ -151,7 +154,7 @@ def _mean_shares(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.fmean(r[k] for r in rows), 4) for k in ("useful", *CAUSES, "waiting")}
 
 
-def _plan(
+def plan_batch(
     lengths: np.ndarray, policy: str, cost: CostModel, world: int, context: str, microbatches: int = 8,
     model: ModelShape = LLAMA_8B, mcore_fast: bool = False,
 ) -> tuple[Plan, float]:  # fmt: skip
@@ -176,7 +179,7 @@ def _request(
     lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8,
     model: ModelShape = LLAMA_8B,
 ) -> PlanRequest:  # fmt: skip
-    """The request :func:`_plan`'s ``schedule`` call builds (tests compare the plans made from both)."""
+    """The request :func:`plan_batch`'s ``schedule`` call builds (tests compare the plans made from both)."""
     longest, capacity = CONTEXTS[context]
     return PlanRequest(
         lengths=np.asarray(lengths, dtype=np.int64), num_microbatches=microbatches, capacity=capacity, cost=cost,
@@ -188,16 +191,19 @@ def _best_candidate(
     lengths: np.ndarray, cost: CostModel, hw: Hardware, world: int, context: str, microbatches: int = 8,
     model: ModelShape = LLAMA_8B,
 ) -> tuple[str, float]:  # fmt: skip
-    """The candidate of hydra's (planning as :func:`_plan` does) with the best efficiency under the truth ``hw``."""
+    """The candidate of hydra's (planning as :func:`plan_batch` does) with the best efficiency under the truth
+    ``hw``."""
     plans = candidate_plans(_request(lengths, cost, world, context, microbatches, model))
     scores = {name: efficiency(plan, hw, model)[0] for name, plan in plans.items()}
     name = max(scores, key=scores.__getitem__)
     return name, scores[name]
 
 
-def _batches(
+def cell_batches(
     dist: str, world: int, context: str, seeds: range, fill: float = 0.75, microbatches: int = 8
 ) -> list[np.ndarray]:
+    """The batches of a cell, one per seed: ``dist``'s lengths holding ``fill`` of ``world`` ranks' tokens at
+    ``context`` over ``microbatches`` microbatches (held-out seeds from 1000, closed-loop ones from 2000)."""
     longest, capacity = CONTEXTS[context]
     return [
         make_batch(
@@ -207,7 +213,7 @@ def _batches(
     ]
 
 
-def _closed_loop(
+def closed_loop(
     batches: list[np.ndarray], hw: Hardware, world: int, context: str, microbatches: int = 8,
     model: ModelShape = LLAMA_8B, steps: list[float] | None = None, noise: float = 0.0, noise_seed: int = 0,
 ) -> CostModel:  # fmt: skip
@@ -221,7 +227,7 @@ def _closed_loop(
     cost = analytic_cost(model)
     calibrator = CostCalibrator()
     for i, lengths in enumerate(batches):
-        plan, _ = _plan(lengths, "hydra", cost, world, context, microbatches, model)
+        plan, _ = plan_batch(lengths, "hydra", cost, world, context, microbatches, model)
         step, times = efficiency(plan, hw, model)
         if steps is not None:
             steps.append(step)
@@ -261,16 +267,18 @@ def run_pool(
     seeds are ``1000 + seed_offset`` on, the closed loop's ``2000 + seed_offset`` on. ``mcore_fast``: mcore's plan
     is made by :func:`~lightning_hydra.planner.mcore_fast.schedule_mcore_fast` (the same plan, without the
     baseline's whole-pool scans, which take hours on 2,048-rank batches of 70,000 sequences); its ``schedule_ms``
-    is then that placement's. ``noise``: the closed loop's timer scatter (:func:`_closed_loop`), seeded per cell;
+    is then that placement's. ``noise``: the closed loop's timer scatter (:func:`closed_loop`), seeded per cell;
     the evaluations are timed without it."""
     if noise < 0:
         raise ValueError(f"noise must not be negative, got {noise}")
     mbs = microbatches
-    held_out = _batches(dist, world, context, range(1000 + seed_offset, 1000 + seed_offset + evaluations), fill, mbs)
-    loop = _batches(dist, world, context, range(2000 + seed_offset, 2000 + seed_offset + steps), fill, mbs)
+    held_out = cell_batches(
+        dist, world, context, range(1000 + seed_offset, 1000 + seed_offset + evaluations), fill, mbs
+    )
+    loop = cell_batches(dist, world, context, range(2000 + seed_offset, 2000 + seed_offset + steps), fill, mbs)
     analytic = analytic_cost(model)
     fixed = {
-        p: [_plan(b, p, analytic, world, context, mbs, model, mcore_fast) for b in held_out]
+        p: [plan_batch(b, p, analytic, world, context, mbs, model, mcore_fast) for b in held_out]
         for p in ("mcore", "static", "hydra")
     }
     cells = []
@@ -301,11 +309,11 @@ def run_pool(
         ceiling = statistics.fmean(ceiling_of(b) for b in held_out)
         steps_eff: list[float] = []
         seed = _noise_seed(world, context, dist, name, fill, mbs, seed_offset)
-        cost = _closed_loop(loop, hw, world, context, mbs, model, steps_eff, noise, seed)
+        cost = closed_loop(loop, hw, world, context, mbs, model, steps_eff, noise, seed)
         cal, own_h, own_m, errors, picks, best, best_names = [], [], [], [], [], [], []
         shares_h, shares_m = [], []
         for lengths, (mplan, _) in zip(held_out, fixed["mcore"], strict=True):
-            plan, _ = _plan(lengths, "hydra", cost, world, context, mbs, model)
+            plan, _ = plan_batch(lengths, "hydra", cost, world, context, mbs, model)
             e, times = efficiency(plan, hw, model)
             cal.append(e)
             name, e_best = _best_candidate(lengths, cost, hw, world, context, mbs, model)
