@@ -290,7 +290,7 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     if "pow2" not in tables:
         tables["pow2"] = Tables(req, ds)
     tab = tables["pow2"]
-    if _within(req, LIFT_BUDGET):  # the power-of-two formation lifted, then LIFTED_SETS' where formed and timed
+    if req.within(LIFT_BUDGET):  # the power-of-two formation lifted, then LIFTED_SETS' where formed and timed
         lifted = ("pow2", *LIFTED_SETS) if rings_timed(req.cost) else ("pow2",)
         for name in lifted:
             base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
@@ -308,7 +308,7 @@ def _node_differs(req: PlanRequest, ds: DegreeSet, formed: list[Formation]) -> b
     and ``pow2`` lacks (``3 U``). Below that size the two sets are the same sizes with the same factorisation, so
     where no sequence's class reaches it the ``node`` formation is the ``pow2`` one again (32K contexts, where
     degrees stay within a node or two): forming it would only cost time."""
-    if not _within(req, NODE_BUDGET):
+    if not req.within(NODE_BUDGET):
         return False
     pow2 = next((f for f in formed if f.degrees.name == "pow2" and not f.memory_driven), None)
     if pow2 is None:
@@ -404,8 +404,8 @@ def _choice(req: PlanRequest) -> _Choice:
     # the Megatron-shaped formation (the memory-driven one for the asked microbatches), static and mcore bound
     # hydra's own prediction; each scored as laid out (a ring is charged the link its ranks use)
     formed_spans = [spans(*f.flat(), crosses=f.crosses(req)) for f in formed]
-    if formed and _within(req, BALANCE_BUDGET):  # the front-runners under the planner's own model, balanced
-        for i in _twin_sources(formed, formed_spans, _within(req, TWIN_BUDGET) and rings_timed(req.cost)):
+    if formed and req.within(BALANCE_BUDGET):  # the front-runners under the planner's own model, balanced
+        for i in _twin_sources(formed, formed_spans, req.within(TWIN_BUDGET) and rings_timed(req.cost)):
             twin = balanced_twin(req, formed[i], tables)
             formed.append(twin)
             formed_spans.append(spans(*twin.flat(), crosses=twin.crosses(req)))
@@ -414,10 +414,10 @@ def _choice(req: PlanRequest) -> _Choice:
     scored = [Scored(f.name, x, b) for f, x, b in zip(formed, formed_spans, shaped, strict=True)]
     scored.append(Scored("static", spans(*static.flat(), crosses=static.crosses(req)), True))
     budget = MCORE_BUDGET if req.mcore_budget is None else req.mcore_budget
-    mcore = schedule_mcore_fast(req) if _within(req, budget) else None
+    mcore = schedule_mcore_fast(req) if req.within(budget) else None
     if mcore is None:
         pick, regret = choose(scored, weights, BASELINE_SLACK)
-        if req.mcore_budget is None and _within_reach(scored, pick, memory) and _within(req, MCORE_BUDGET_MEMORY):
+        if req.mcore_budget is None and _within_reach(scored, pick, memory) and req.within(MCORE_BUDGET_MEMORY):
             # formed until it provably cannot change the choice (then ``None``: the choice stands)
             hopeless = Hopeless(req, models, weights, scored, pick, BASELINE_SLACK, MCORE_MARGIN)
             mcore = schedule_mcore_fast(req, stop=hopeless)
@@ -549,12 +549,6 @@ def _within_reach(scored: list[Scored], pick: int, memory: list[int]) -> bool:
     return bool(scored[pick].spans[0] >= fastest * (1 - MCORE_REACH))
 
 
-def _within(req: PlanRequest, budget: float) -> bool:
-    """Whether the batch's ``sequences * sqrt(ranks)`` is at most ``budget`` (:data:`LIFT_BUDGET`,
-    :data:`MCORE_BUDGET`, :data:`MCORE_BUDGET_MEMORY`)."""
-    return req.lengths.size * math.sqrt(req.world_size) <= budget
-
-
 def candidate_plans(req: PlanRequest) -> dict[str, Plan]:
     """Every plan :func:`schedule_hydra` chooses from, by candidate name: the formations of :func:`candidates`, the
     ``static`` plan and, where it joins them (:data:`MCORE_BUDGET`, :data:`MCORE_BUDGET_MEMORY`), ``mcore``'s
@@ -576,6 +570,6 @@ def candidate_plans(req: PlanRequest) -> dict[str, Plan]:
 
 def _polished(req: PlanRequest, plan: Plan) -> Plan:
     """Megatron's placement as hydra keeps it: polished within :data:`POLISH_BUDGET` for single-stage plans."""
-    if req.pipeline_stages == 1 and _within(req, POLISH_BUDGET):
+    if req.pipeline_stages == 1 and req.within(POLISH_BUDGET):
         return polish(plan, req.cost, req.capacity)[0]
     return plan

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -44,6 +45,11 @@ class PlanRequest:
     def world_size(self) -> int:
         """Ranks in the pool."""
         return self.rules.world_size
+
+    def within(self, budget: float) -> bool:
+        """Whether the batch's ``sequences * sqrt(ranks)``, the size every planning budget counts (``hydra``'s
+        ``*_BUDGET``, :data:`~lightning_hydra.planner.tables.RAISE_BUDGET`), is at most ``budget``."""
+        return self.lengths.size * math.sqrt(self.world_size) <= budget
 
     @cached_property
     def longest_first(self) -> np.ndarray:

@@ -7,7 +7,6 @@ other.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,7 +111,7 @@ class Tables:
         # sequences that may need several ranks: above one rank of memory, or heavy enough to be raised (their work
         # above RAISE_SHARE of a rank's mean share; the fixed cost, the same at any class a rank holds, decides no
         # raise)
-        share = RAISE_SHARE if lens.size * math.sqrt(req.world_size) <= RAISE_BUDGET else RAISE_SHARE_LARGE
+        share = RAISE_SHARE if req.within(RAISE_BUDGET) else RAISE_SHARE_LARGE
         low = share * float(self.work_min.sum()) / (req.world_size * req.num_microbatches)
         self.multi = np.flatnonzero((j0 > 0) | (alone > low))
         self.column = np.full(lens.size, -1, dtype=np.int64)
