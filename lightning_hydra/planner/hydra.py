@@ -367,8 +367,10 @@ def schedule_hydra(req: PlanRequest) -> Plan:
             plan = _polished(req, c.mcore)
         else:
             plan = c.static.plan(req)
+        if "polished" in plan.stats:  # the polish's count of changes, beside the choice's
+            stats["polished"] = plan.stats["polished"]
         plan.policy = "hydra"
-        plan.stats = {**stats, **({"polished": plan.stats["polished"]} if "polished" in plan.stats else {})}
+        plan.stats = stats
         return plan
     return c.formed[c.pick].plan(req, **stats)
 

@@ -67,9 +67,9 @@ def polish(
     flat = [g for mb in plan.microbatches for g in mb]  # every group, numbered in microbatch order
     mb_of, start, u, r, seq, gid = plan.flat()
     bounds = np.r_[0, np.cumsum([len(mb) for mb in plan.microbatches])].astype(np.int64)
-    crosses = [bool(x) for x in cost.crossing(start, u * r)]
     degree = u * r
-    times = cost.group_loads(lengths[seq].astype(np.float64), gid, u, r, np.asarray(crosses, dtype=bool))
+    crosses = np.asarray(cost.crossing(start, degree), dtype=bool)
+    times = cost.group_loads(lengths[seq].astype(np.float64), gid, u, r, crosses)
     tokens = np.bincount(gid, weights=shard_tokens(lengths[seq], degree[gid]), minlength=len(flat)).astype(np.int64)
     peak = np.array([times[a:b].max(initial=0.0) for a, b in itertools.pairwise(bounds.tolist())])
     span = float(peak.sum())
@@ -77,7 +77,7 @@ def polish(
 
     def time_of(k: int, ids: tuple[int, ...]) -> float:
         g = flat[k]
-        return cost.bin_time(lengths[list(ids)], g.ulysses, g.ring, crosses[k]) if ids else 0.0
+        return cost.bin_time(lengths[list(ids)], g.ulysses, g.ring, bool(crosses[k])) if ids else 0.0
 
     def shard(i: int, k: int) -> int:
         return int(shard_tokens(int(lengths[i]), int(degree[k])))
@@ -90,14 +90,14 @@ def polish(
         tok2 = tokens[k2] + shard(out, k2) - (shard(into, k2) if into >= 0 else 0)
         if tok > capacity or tok2 > capacity:
             return False
-        new = times.copy()
-        new[k], new[k2] = time_of(k, ids), time_of(k2, ids2)
+        was = times[k], times[k2]
+        times[k], times[k2] = time_of(k, ids), time_of(k2, ids2)
         touched = sorted({int(mb_of[k]), int(mb_of[k2])})
-        peaks = {m: float(new[bounds[m] : bounds[m + 1]].max()) for m in touched}
+        peaks = {m: float(times[bounds[m] : bounds[m + 1]].max()) for m in touched}
         saved = sum(peak[m] - peaks[m] for m in touched)
         if saved < POLISH_GAIN * span:
+            times[k], times[k2] = was
             return False
-        times[k], times[k2] = new[k], new[k2]
         tokens[k], tokens[k2] = tok, tok2
         for m in touched:
             peak[m] = peaks[m]
