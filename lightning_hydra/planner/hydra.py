@@ -66,6 +66,7 @@ __all__ = [
     "EXPLORE_GAIN",
     "EXPLORE_RISK",
     "FEWER_SHARE",
+    "FINE_LIFT_BUDGET",
     "LIFTED_SETS",
     "LIFTS",
     "LIFT_BUDGET",
@@ -107,12 +108,31 @@ from the memory-driven formation to a lifted ``node`` formation balanced, 3.4% f
 set is not lifted: with its odd all-ring groups lifted, a miscalibrated model (512 ranks x 32K standard-library
 lengths, ``bw0.5`` truth: the closed-loop staking test of ``tests/test_truth_family.py``) guarded by the baseline
 slack alone took a plan the truth timed at 0.72x Megatron's (without the lifts the slack alone keeps it as fast).
-That was before :func:`rings_timed` gated the lifts: that model has timed no plain ring, so now it forms none. Whether
-lifted ``fine`` formations help once rings are timed was not measured."""
+That was before :func:`rings_timed` gated the lifts: that model has timed no plain ring, so now it forms none. The
+``fine`` set is lifted under another rule instead (:data:`FINE_LIFT_BUDGET`)."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
 batches, whose planning time they would double."""
+FINE_LIFT_BUDGET = LIFT_BUDGET
+"""Largest ``sequences * sqrt(ranks)`` for which the ``fine`` load-driven formation is also lifted by :data:`LIFTS`,
+whether or not the model has timed plain rings. Of these lifts hydra keeps the one its own model predicts fastest,
+only where that model predicts it faster than every other formation (:func:`_fine_lift`; it then gets a balanced twin
+too). It makes its choice without them, as before, and replaces it by a lift only where every member of the ensemble
+predicts the lift no slower (:func:`_with_lifts`). A lifted ``fine`` formation is no hedge: its raised degrees are
+plain rings of any size (3, 5, 6, 7 ranks), and the step that plans it times them.
+
+At 32K, where the ``fine`` formation raises too many sequences and the power-of-two one raises them to the next power
+of two, a lift between them packs each microbatch's ranks more tightly: on 64 ranks x 32K lognormal lengths (``base``
+truth, held-out batch 1000) hydra's choice went from the memory-driven formation to ``fine`` lifted by 1.1, 2.2%
+faster under the truth. Measured with ``bench.robust`` (closed loop, 2 held-out batches per cell) against the planner
+before: on 96 cells of drawn truths at 32K (64 and 512 ranks, seeds shifted by 5000) +0.40% on average, up to +7.4%,
+none below by more than 0.13%; at 256K +1.2% on average, up to +6.2%, 5 cells below by 0.2-1.3%; on the grid's 84
+32K cells +0.05% (5 cells up by 1.0-2.1%; 2 down, by 0.3% and by 2.1% where a held-out step explored a lift's rings)
+and its 84 256K cells +0.06% (at most -0.1%). Chosen wherever robust selection ranked it first, without the test
+against the choice made without it, a model whose refit made short rings free (``tests/test_fine_lift.py``) took
+lifts the truth timed at 0.73-0.87x that choice. Each lift costs about what one load-driven formation costs
+(:data:`LIFT_BUDGET`)."""
 POLISH_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which Megatron's placement, where robust selection chooses it, is
 polished (:func:`~lightning_hydra.planner.polish.polish`: sequences moved between its groups while the planner's
@@ -272,9 +292,10 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     """The formations of :data:`CANDIDATES` (cost tables shared per degree set, kept in ``tables`` where given); with
     pipeline stages also the load-driven ones shaped for the pipeline (every microbatch aiming at the same maximum,
     none merged); within :data:`LIFT_BUDGET` also the power-of-two formations lifted by :data:`LIFTS`, and those of the
-    :data:`LIFTED_SETS` where their load-driven formation was formed; where a fixed
-    cost per microbatch makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for fewer
-    microbatches than asked (named with ``/m`` and their count)."""
+    :data:`LIFTED_SETS` where their load-driven formation was formed; within :data:`FINE_LIFT_BUDGET` the ``fine``
+    formation lifted by :data:`LIFTS` (of which :func:`schedule_hydra` keeps at most one, :func:`_fine_lift`); where a
+    fixed cost per microbatch makes it worth it (:func:`fewer_microbatches`), the memory-driven formation planned for
+    fewer microbatches than asked (named with ``/m`` and their count)."""
     tables = {} if tables is None else tables
     out: list[Formation] = []
     for name, load_driven in CANDIDATES:
@@ -296,6 +317,10 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
             base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
             if base is not None:
                 out += [form(req, base.degrees, raise_degrees=True, tables=tables[name], lift=lift) for lift in LIFTS]
+    if req.within(FINE_LIFT_BUDGET):  # the fine formation lifted: _choice keeps at most one (_fine_lift)
+        base = next((f for f in out if f.degrees.name == "fine" and not f.memory_driven), None)
+        if base is not None:
+            out += [form(req, base.degrees, raise_degrees=True, tables=tables["fine"], lift=lift) for lift in LIFTS]
     fewer = fewer_microbatches(req, tab)
     if fewer is not None:
         out.append(form(req, ds, raise_degrees=False, tables=tab, microbatches=fewer))
@@ -389,6 +414,49 @@ class _Choice:
     """The robust choice (``pick`` unless :func:`_explore` took another formation)."""
 
 
+def _fine_lift(
+    formed: list[Formation], formed_spans: list[np.ndarray]
+) -> tuple[list[Formation], list[np.ndarray], list[tuple[Formation, np.ndarray]]]:
+    """``formed`` (and its spans) without the lifted ``fine`` formations of :func:`candidates`, and of those the one
+    the planner's own model predicts fastest with its spans, where that model predicts it faster than every other
+    formation (else none: :data:`FINE_LIFT_BUDGET`)."""
+    lifted = [i for i, f in enumerate(formed) if _fine_lifted(f)]
+    rest = [i for i in range(len(formed)) if i not in lifted]
+    if not lifted or not rest:
+        return [formed[i] for i in rest], [formed_spans[i] for i in rest], []
+    own = [float(x[0]) for x in formed_spans]
+    best = min(lifted, key=own.__getitem__)
+    kept = [(formed[best], formed_spans[best])] if own[best] < min(own[i] for i in rest) else []
+    return [formed[i] for i in rest], [formed_spans[i] for i in rest], kept
+
+
+def _with_lifts(
+    formed: list[Formation], scored: list[Scored], lifted: list[tuple[Formation, np.ndarray]], pick: int
+) -> tuple[list[Formation], list[Scored], int]:
+    """The choice ``pick`` made without the ``fine`` lifts, with the lifts (the one :func:`_fine_lift` kept and its
+    twin) joined to the formations (after them in ``formed`` and ``scored``, before static and Megatron's placement):
+    still ``pick``, unless a lift is predicted faster by the planner's own model (by :data:`MCORE_MARGIN` where
+    ``pick`` is Megatron's placement) and no slower by any member of the ensemble, then the fastest such lift under the
+    planner's model (:data:`FINE_LIFT_BUDGET`)."""
+    if not lifted:
+        return formed, scored, pick
+    n = len(formed)
+    scored = [*scored[:n], *(Scored(f.name, x, False) for f, x in lifted), *scored[n:]]
+    pick = pick if pick < n else pick + len(lifted)
+    chosen = scored[pick].spans
+    faster = chosen[0] * (1 - MCORE_MARGIN) if scored[pick].name == "mcore" else chosen[0]
+    wins = [n + i for i, (_, x) in enumerate(lifted) if x[0] < faster and np.all(x <= chosen * (1 + TIE))]
+    if wins:
+        pick = min(wins, key=lambda i: float(scored[i].spans[0]))
+    return [*formed, *(f for f, _ in lifted)], scored, pick
+
+
+def _fine_lifted(formation: Formation) -> bool:
+    """Whether ``formation`` is the ``fine`` load-driven formation lifted (:data:`FINE_LIFT_BUDGET`), not its twin."""
+    recipe = formation.recipe
+    return formation.degrees.name == "fine" and recipe is not None and recipe.lift != 1.0 and not formation.balanced
+
+
 def _choice(req: PlanRequest) -> _Choice:
     """Form and score the candidates and choose one; Megatron's placement joins them within :data:`MCORE_BUDGET`,
     or within :data:`MCORE_BUDGET_MEMORY` where the choice without it is within :data:`MCORE_REACH` of the
@@ -406,11 +474,15 @@ def _choice(req: PlanRequest) -> _Choice:
     # the Megatron-shaped formation (the memory-driven one for the asked microbatches), static and mcore bound
     # hydra's own prediction; each scored as laid out (a ring is charged the link its ranks use)
     formed_spans = [spans(*f.flat(), crosses=f.crosses(req)) for f in formed]
+    formed, formed_spans, lifted = _fine_lift(formed, formed_spans)
     if formed and req.within(BALANCE_BUDGET):  # the front-runners under the planner's own model, balanced
         for i in _twin_sources(formed, formed_spans, req.within(TWIN_BUDGET) and rings_timed(req.cost)):
             twin = balanced_twin(req, formed[i], tables)
             formed.append(twin)
             formed_spans.append(spans(*twin.flat(), crosses=twin.crosses(req)))
+        for lift, _ in lifted[:1]:  # the kept fine lift's own twin
+            twin = balanced_twin(req, lift, tables)
+            lifted.append((twin, spans(*twin.flat(), crosses=twin.crosses(req))))
     memory = [i for i, f in enumerate(formed) if f.memory_driven]
     shaped = [f.memory_driven and f.planned_for == req.num_microbatches and not f.balanced for f in formed]
     scored = [Scored(f.name, x, b) for f, x, b in zip(formed, formed_spans, shaped, strict=True)]
@@ -432,6 +504,9 @@ def _choice(req: PlanRequest) -> _Choice:
             own, static_own = scored[-1].spans[0], scored[len(formed)].spans[0]  # mcore's (scored last) and static's
             if scored[pick].spans[0] > own * (1 - MCORE_MARGIN) and own <= static_own * (1 + TIE):
                 pick = len(scored) - 1
+    if lifted:  # joined once the choice without them is made; the regrets (stats) among every candidate
+        formed, scored, pick = _with_lifts(formed, scored, lifted, pick)
+        regret = choose(scored, weights, BASELINE_SLACK)[1]
     return _Choice(formed, static, mcore, scored, _explore(req, formed, scored, weights, pick), regret, pick)
 
 
