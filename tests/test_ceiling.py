@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lightning_hydra.bench.batches import make_batch
-from lightning_hydra.bench.robust import LLAMA_8B, _request, efficiency
+from lightning_hydra.bench.robust import LLAMA_8B, efficiency, plan_request
 from lightning_hydra.bench.schedule import CONTEXTS, llama8b_cost
 from lightning_hydra.planner import schedule
 from lightning_hydra.planner.hydra import candidate_plans
@@ -33,7 +33,7 @@ def test_no_plan_beats_the_ceiling_under_any_truth(world, context, dist):
     lengths = make_batch(
         dist, world_size=world, capacity=capacity, num_microbatches=4, fill=0.75, context=longest, seed=5
     )
-    plans = dict(candidate_plans(_request(lengths, llama8b_cost(), world, context, microbatches=4)))
+    plans = dict(candidate_plans(plan_request(lengths, llama8b_cost(), world, context, microbatches=4)))
     plans["mcore"] = schedule(
         lengths, world_size=world, num_microbatches=4, max_tokens_per_rank=capacity, cost=llama8b_cost(),
         policy="mcore", ranks_per_node=8, num_heads=32, num_kv_heads=8, max_seq_len=longest,

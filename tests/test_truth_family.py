@@ -345,7 +345,7 @@ def test_an_untimed_inter_node_link_is_slowed_at_most_by_half():
     intra-node ring link to the all-to-all's rate (the same link) and the inter-node one, which no all-to-all
     crosses, to half, not to the all-to-all's quarter: hydra then takes the fine candidate, which the truth times more
     than 4% faster than the power-of-two formation it took when the member ran the inter-node rings at a quarter."""
-    from lightning_hydra.bench.robust import _request, cell_batches
+    from lightning_hydra.bench.robust import cell_batches, plan_request
     from lightning_hydra.planner.hydra import candidate_plans
 
     fitted = CostModel.from_dict(
@@ -367,7 +367,7 @@ def test_an_untimed_inter_node_link_is_slowed_at_most_by_half():
     batch = cell_batches("stdlib", 2048, "256K", range(6000, 6001), 0.75, 8)[0]
     plan, _ = plan_batch(batch, "hydra", fitted, 2048, "256K", 8)
     assert plan.stats["candidate"] == "fine/load"
-    power_of_two = candidate_plans(_request(batch, fitted, 2048, "256K"))["pow2/load"]
+    power_of_two = candidate_plans(plan_request(batch, fitted, 2048, "256K"))["pow2/load"]
     hw = truth("random35", LLAMA_8B.num_layers)
     assert efficiency(plan, hw)[0] > 1.04 * efficiency(power_of_two, hw)[0]
 
@@ -410,7 +410,7 @@ def test_a_checked_exposure_is_not_hedged_back_to_one():
     the model's). With that exposure checked, the ring member keeps it and the ring-share member steps aside, and
     hydra takes the fine candidate its model ranks first, which the truth times more than 2% faster than the
     memory-driven formation it took while those members charged the fine candidate's rings 7-10% more."""
-    from lightning_hydra.bench.robust import _request, cell_batches
+    from lightning_hydra.bench.robust import cell_batches, plan_request
     from lightning_hydra.planner.hydra import candidate_plans
 
     fitted = CostModel.from_dict(
@@ -432,7 +432,7 @@ def test_a_checked_exposure_is_not_hedged_back_to_one():
     hedged, _ = plan_batch(batch, "hydra", fitted.replace(exposure_measured=False), 512, "256K", 8)
     # the memory-driven degrees: the x1.5 lift raises none on this batch, and its balanced twin keeps them
     assert hedged.stats["candidate"] in ("pow2/memory", "pow2/load/x1.5/bal")
-    memory = candidate_plans(_request(batch, fitted, 512, "256K"))["pow2/memory"]
+    memory = candidate_plans(plan_request(batch, fitted, 512, "256K"))["pow2/memory"]
     hw = truth("random9", LLAMA_8B.num_layers)
     assert efficiency(plan, hw)[0] > 1.02 * efficiency(memory, hw)[0]
 
@@ -446,7 +446,7 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
     fine candidate without exploring, which the truth times more than 1.5% faster than the memory-driven
     formation. An uncalibrated model, one whose links were timed and one whose two ring links run at the same rate
     (the measurements cannot tell which a plain ring ran on, so no refit would mark it) never explore."""
-    from lightning_hydra.bench.robust import _request, analytic_cost, cell_batches
+    from lightning_hydra.bench.robust import analytic_cost, cell_batches, plan_request
     from lightning_hydra.planner.hydra import _choice, _explore, candidate_plans
 
     hw = truth("base", LLAMA_8B.num_layers)
@@ -467,7 +467,7 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
     batch = cell_batches("lognormal", 64, "256K", range(1000, 1001), 0.75, 16)[0]
     plan, _ = plan_batch(batch, "hydra", cost, 64, "256K", 16)
     assert _fine(plan) and "explored_over" not in plan.stats
-    memory = candidate_plans(_request(batch, cost, 64, "256K", 16))["pow2/memory"]
+    memory = candidate_plans(plan_request(batch, cost, 64, "256K", 16))["pow2/memory"]
     assert efficiency(plan, hw)[0] > 1.015 * efficiency(memory, hw)[0]
     # the step before the refit explored; the same model never explores uncalibrated, nor with both links timed
     untimed = cost.replace(intra_rings_measured=False, inter_rings_measured=False)
@@ -475,9 +475,11 @@ def test_a_loop_times_the_plain_rings_its_hedges_keep_it_from():
         plan, _ = plan_batch(batch, "hydra", model, 64, "256K", 16)
         assert ("explored_over" in plan.stats) == explores
     # the same candidates, but a model whose ring links run at the same rate: the choice stands
-    choice = _choice(_request(batch, untimed, 64, "256K", 16))
+    choice = _choice(plan_request(batch, untimed, 64, "256K", 16))
     assert choice.pick != choice.hedged
-    same_rate = _request(batch, untimed.replace(inter_node_bandwidth=untimed.intra_node_ring_bandwidth), 64, "256K", 16)
+    same_rate = plan_request(
+        batch, untimed.replace(inter_node_bandwidth=untimed.intra_node_ring_bandwidth), 64, "256K", 16
+    )
     weights = member_weights(ensemble(untimed))
     assert _explore(same_rate, choice.formed, choice.scored, weights, choice.hedged) == choice.hedged
 
@@ -486,7 +488,7 @@ def test_ring_links_read_every_candidates_layout_from_its_features():
     """On every candidate plan of 64- and 512-rank batches (the fine candidate's rings inside and across nodes,
     Megatron's and the power-of-two rings across), :func:`ring_links` of the plan's features gives each rank's ring
     link exactly as the plan's layout has it."""
-    from lightning_hydra.bench.robust import _request, cell_batches
+    from lightning_hydra.bench.robust import cell_batches, plan_request
     from lightning_hydra.planner.calibration import INTER, INTRA, ring_links
     from lightning_hydra.planner.hydra import candidate_plans
 
@@ -494,7 +496,7 @@ def test_ring_links_read_every_candidates_layout_from_its_features():
     seen = set()
     for world, context, dist in ((64, "256K", "pareto"), (512, "32K", "lognormal")):
         batch = cell_batches(dist, world, context, range(1000, 1001))[0]
-        for plan in candidate_plans(_request(batch, cost, world, context)).values():
+        for plan in candidate_plans(plan_request(batch, cost, world, context)).values():
             mb, start, u, r, _, gid = plan.flat()
             crosses = cost.crossing(start, u * r)
             expected = np.zeros(plan.num_microbatches * plan.world_size, dtype=np.int64)
@@ -855,7 +857,7 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
     """The benchmark's best candidate under the truth is never below hydra's pick (it is one of them), and the
     summary and tables carry it; batches may hold another share of the pool's tokens and be planned into another
     number of microbatches."""
-    from lightning_hydra.bench.robust import _request, analytic_cost, cell_batches, markdown, run_pool, summarize
+    from lightning_hydra.bench.robust import analytic_cost, cell_batches, markdown, plan_request, run_pool, summarize
     from lightning_hydra.planner.hydra import candidate_plans
 
     # the benchmark's candidates are planned from the request its hydra plan came from
@@ -863,7 +865,7 @@ def test_robustness_cells_bound_hydra_by_its_best_candidate():
     for context in ("256K", "32K"):
         batch = cell_batches("pareto", 64, context, range(3, 4))[0]
         plan, _ = plan_batch(batch, "hydra", cost, 64, context)
-        same = candidate_plans(_request(batch, cost, 64, context))[str(plan.stats["candidate"])]
+        same = candidate_plans(plan_request(batch, cost, 64, context))[str(plan.stats["candidate"])]
         for mine, theirs in zip(same.flat(), plan.flat(), strict=True):
             assert np.array_equal(np.asarray(mine), np.asarray(theirs))
     cells = run_pool(64, "256K", "lognormal", ["base", "share50"], steps=2, evaluations=1, fill=0.6, microbatches=4)

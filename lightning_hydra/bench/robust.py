@@ -89,6 +89,7 @@ __all__ = [
     "main",
     "measurement_noise",
     "plan_batch",
+    "plan_request",
     "run_pool",
 ]
 
@@ -164,7 +165,7 @@ def plan_batch(
     longest, capacity = CONTEXTS[context]
     start = time.perf_counter()
     if policy == "mcore" and mcore_fast:
-        plan = schedule_mcore_fast(_request(lengths, cost, world, context, microbatches, model))
+        plan = schedule_mcore_fast(plan_request(lengths, cost, world, context, microbatches, model))
         assert plan is not None  # only a ``stop`` abandons it
     else:
         plan = schedule(
@@ -175,11 +176,12 @@ def plan_batch(
     return plan, 1e3 * (time.perf_counter() - start)
 
 
-def _request(
+def plan_request(
     lengths: np.ndarray, cost: CostModel, world: int, context: str, microbatches: int = 8,
     model: ModelShape = LLAMA_8B,
 ) -> PlanRequest:  # fmt: skip
-    """The request :func:`plan_batch`'s ``schedule`` call builds (tests compare the plans made from both)."""
+    """The request :func:`plan_batch`'s ``schedule`` call builds (tests compare the plans made from both; benchmarks
+    form candidates from it)."""
     longest, capacity = CONTEXTS[context]
     return PlanRequest(
         lengths=np.asarray(lengths, dtype=np.int64), num_microbatches=microbatches, capacity=capacity, cost=cost,
@@ -193,7 +195,7 @@ def _best_candidate(
 ) -> tuple[str, float]:  # fmt: skip
     """The candidate of hydra's (planning as :func:`plan_batch` does) with the best efficiency under the truth
     ``hw``."""
-    plans = candidate_plans(_request(lengths, cost, world, context, microbatches, model))
+    plans = candidate_plans(plan_request(lengths, cost, world, context, microbatches, model))
     scores = {name: efficiency(plan, hw, model)[0] for name, plan in plans.items()}
     name = max(scores, key=scores.__getitem__)
     return name, scores[name]
