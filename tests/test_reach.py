@@ -1,0 +1,29 @@
+"""The formation-family benchmark (issue 58): every recipe is a valid plan, and its figures order as they must."""
+
+from __future__ import annotations
+
+import json
+
+from lightning_hydra.bench import reach
+from lightning_hydra.bench.robust import cell_batches, plan_request
+from lightning_hydra.bench.schedule import llama8b_cost
+
+
+def test_every_recipe_is_a_valid_plan_of_the_whole_batch():
+    lengths = cell_batches("lognormal", 16, "32K", range(1000, 1001))[0]
+    req = plan_request(lengths, llama8b_cost(), 16, "32K")
+    plans = reach.family(req)
+    recipes = 3 * (1 + len(reach.FAMILY_LIFTS)) * 3 * 2  # degree sets x degrees x microbatch counts x balance
+    assert len(plans) >= recipes and {"pow2/memory/x1/m8", "fine/load/x1.1/m7/bal", "node/load/x2/m6"} <= set(plans)
+    for plan in plans.values():
+        plan.check(req.lengths.tolist(), req.capacity)
+
+
+def test_hydra_is_within_the_best_within_zero_waiting_within_the_ceiling(capsys):
+    cell = reach.run_cell(16, "32K", "lognormal", "base", batches=1, steps=2)
+    # hydra's choice and Megatron's plan are in the family; a plan without waiting is no slower; the ceiling bounds all
+    assert 0 < cell["hydra"] <= cell["best"] <= cell["zero_waiting"] <= 1
+    assert cell["mcore"] <= cell["best"] and cell["best_over_mcore"] >= 1
+    assert reach.main(["--world-sizes", "16", "--distributions", "pareto", "--truths", "base", "--batches", "1"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["distribution"] == "pareto" and lines[-1]["summary"]["cells"] == 1
