@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from lightning_hydra.bench.batches import DISTRIBUTIONS
+from lightning_hydra.bench.cells import add_cell_arguments, cells_of
 from lightning_hydra.bench.robust import LLAMA_8B, cell_batches, closed_loop, efficiency, plan_batch
 from lightning_hydra.bench.schedule import CONTEXTS
 from lightning_hydra.planner.plan import Group, Plan, PlanError
 from lightning_hydra.sim.ceiling import efficiency_ceiling
-from lightning_hydra.sim.family import DEAR_TRUTHS, TRUTHS, truth
+from lightning_hydra.sim.family import truth
 from lightning_hydra.sim.hardware import Hardware, ModelShape
 
 __all__ = ["improve", "main", "run_cell"]
@@ -199,21 +199,15 @@ def run_cell(
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="*", default=[64])
-    parser.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
-    parser.add_argument("--distributions", nargs="*", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
-    parser.add_argument("--truths", nargs="*", default=["base", "dear25"], choices=[*TRUTHS, *DEAR_TRUTHS])
+    add_cell_arguments(parser, truths=["base", "dear25"])
     parser.add_argument("--batch", type=int, default=1000, help="the held-out batch's seed (robust's first is 1000)")
     parser.add_argument("--moves", type=int, default=200, help="most changes the search keeps per plan")
     args = parser.parse_args(argv)
     gains = []
-    for world in args.world_sizes:
-        for context in args.contexts:
-            for dist in args.distributions:
-                for name in args.truths:
-                    cell = run_cell(world, context, dist, name, batch=args.batch, moves=args.moves)
-                    gains += [cell["hydra"]["gain"], cell["mcore"]["gain"]]
-                    print(json.dumps(cell), flush=True)
+    for world, context, dist, name in cells_of(args):
+        cell = run_cell(world, context, dist, name, batch=args.batch, moves=args.moves)
+        gains += [cell["hydra"]["gain"], cell["mcore"]["gain"]]
+        print(json.dumps(cell), flush=True)
     if gains:
         print(
             json.dumps(

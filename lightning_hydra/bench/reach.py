@@ -32,7 +32,7 @@ import statistics
 import sys
 from typing import Any
 
-from lightning_hydra.bench.batches import DISTRIBUTIONS
+from lightning_hydra.bench.cells import add_cell_arguments, cells_of
 from lightning_hydra.bench.robust import LLAMA_8B, cell_batches, closed_loop, plan_batch, plan_request
 from lightning_hydra.bench.schedule import CONTEXTS
 from lightning_hydra.planner.formation import form
@@ -42,7 +42,7 @@ from lightning_hydra.planner.polish import polish
 from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.tables import DegreeSet, Tables
 from lightning_hydra.sim.ceiling import efficiency_ceiling
-from lightning_hydra.sim.family import DEAR_TRUTHS, TRUTHS, truth
+from lightning_hydra.sim.family import truth
 from lightning_hydra.sim.truth import plan_times, useful_time
 
 __all__ = ["FAMILY_LIFTS", "family", "main", "run_cell"]
@@ -117,19 +117,13 @@ def run_cell(
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="*", default=[64])
-    parser.add_argument("--contexts", nargs="*", default=["32K"], choices=list(CONTEXTS))
-    parser.add_argument("--distributions", nargs="*", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
-    parser.add_argument("--truths", nargs="*", default=["base", "worst", "dear25"], choices=[*TRUTHS, *DEAR_TRUTHS])
+    add_cell_arguments(parser, contexts=["32K"], truths=["base", "worst", "dear25"])
     parser.add_argument("--batches", type=int, default=2, help="held-out batches per cell (seeds from 1000)")
     args = parser.parse_args(argv)
     cells = []
-    for world in args.world_sizes:
-        for context in args.contexts:
-            for dist in args.distributions:
-                for name in args.truths:
-                    cells.append(run_cell(world, context, dist, name, batches=args.batches))
-                    print(json.dumps(cells[-1]), flush=True)
+    for world, context, dist, name in cells_of(args):
+        cells.append(run_cell(world, context, dist, name, batches=args.batches))
+        print(json.dumps(cells[-1]), flush=True)
     if cells:
         summary = {
             "cells": len(cells),
