@@ -93,23 +93,24 @@ any factorisation of its size can, for truths where communication is dear (issue
 :data:`NODE_BUDGET` and only where some degree can differ from the power-of-two formation's (:func:`_node_differs`).
 """
 LIFTS = (1.1, 1.25, 1.5)
-"""Lifts of the extra power-of-two load-driven formations (:func:`~lightning_hydra.planner.formation.form`'s
-``lift``): degrees chosen at these multiples of each microbatch's level, between the load-driven formation (fewest
-ranks idle, most ring traffic) and the memory-driven one. Where the truth charges rings more than the planner's
-analytic model (exposed ring traffic, slower links), calibration finds it and one of these can win; where the
-calibrated model is off by more than the gap between near-equal candidates they add choices it can get wrong (the
-robustness benchmark (`bench.robust`) lists both)."""
+"""Lifts of the extra load-driven formations (power-of-two, :data:`LIFTED_SETS`' and, under its own rule,
+:data:`FINE_LIFT_BUDGET`'s ``fine`` ones; :func:`~lightning_hydra.planner.formation.form`'s ``lift``): degrees
+chosen at these multiples of each microbatch's level, between the load-driven formation (fewest ranks idle, most
+ring traffic) and the memory-driven one. Where the truth charges rings more than the planner's analytic model
+(exposed ring traffic, slower links), calibration finds it and one of these can win; where the calibrated model is
+off by more than the gap between near-equal candidates they add choices it can get wrong (the robustness benchmark
+(`bench.robust`) lists both)."""
 LIFTED_SETS = ("node",)
 """Degree sets besides ``pow2`` whose load-driven formations are also lifted by :data:`LIFTS` within
-:data:`LIFT_BUDGET`, where the set's formation was formed (``node`` only where it differs from ``pow2``) and the cost
-model timed plain rings on both links (:func:`rings_timed`). Fewer raised degrees in whole Ulysses blocks: where
-communication is dear (issue 58; 64 ranks, 256K Pareto lengths, ``dear50``) hydra's choice on a held-out batch went
-from the memory-driven formation to a lifted ``node`` formation balanced, 3.4% faster under the truth. The ``fine``
-set is not lifted: with its odd all-ring groups lifted, a miscalibrated model (512 ranks x 32K standard-library
-lengths, ``bw0.5`` truth: the closed-loop staking test of ``tests/test_truth_family.py``) guarded by the baseline
-slack alone took a plan the truth timed at 0.72x Megatron's (without the lifts the slack alone keeps it as fast).
-That was before :func:`rings_timed` gated the lifts: that model has timed no plain ring, so now it forms none. The
-``fine`` set is lifted under another rule instead (:data:`FINE_LIFT_BUDGET`)."""
+:data:`LIFT_BUDGET`, where the set's formation was formed (``node`` only where it differs from ``pow2``) and the
+cost model timed plain rings on both links (:func:`rings_timed`); the ``fine`` set is lifted under
+:data:`FINE_LIFT_BUDGET` instead. Fewer raised degrees in whole Ulysses blocks: where communication is dear (issue
+58; 64 ranks, 256K Pareto lengths, ``dear50``) hydra's choice on a held-out batch went from the memory-driven
+formation to a lifted ``node`` formation balanced, 3.4% faster under the truth. The ``fine`` set was not lifted
+here: with its odd all-ring groups lifted, a miscalibrated model (512 ranks x 32K standard-library lengths,
+``bw0.5`` truth: the closed-loop staking test of ``tests/test_truth_family.py``) guarded by the baseline slack alone
+took a plan the truth timed at 0.72x Megatron's (without the lifts the slack alone keeps it as fast). That was
+before :func:`rings_timed` gated the lifts: that model has timed no plain ring, so now it forms none."""
 LIFT_BUDGET = 131072
 """Largest ``sequences * sqrt(ranks)`` for which the :data:`LIFTS` formations are also candidates. Each costs about
 what one load-driven formation costs (2-10 ms up to 512 ranks on this machine); the bound keeps them off 2,048-rank
@@ -119,8 +120,11 @@ FINE_LIFT_BUDGET = LIFT_BUDGET
 whether or not the model has timed plain rings. Of these lifts hydra keeps the one its own model predicts fastest,
 only where that model predicts it faster than every other formation (:func:`_fine_lift`; it then gets a balanced twin
 too). It makes its choice without them, as before, and replaces it by a lift only where every member of the ensemble
-predicts the lift no slower (:func:`_with_lifts`). A lifted ``fine`` formation is no hedge: its raised degrees are
-plain rings of any size (3, 5, 6, 7 ranks), and the step that plans it times them.
+predicts the lift no slower (:func:`_with_lifts`); the twin is formed within :data:`BALANCE_BUDGET`. A lifted ``fine``
+formation is no hedge: its raised degrees are plain rings of 3-7 ranks, and the step that plans it times them. The
+robust choice is the one without the lifts, or a lift; the step planned may still be one that explores
+(:func:`_explore`, which reads the regrets among every candidate, the lifts included, and may take a lift to time
+plain rings on a link the model has not timed them on).
 
 At 32K, where the ``fine`` formation raises too many sequences and the power-of-two one raises them to the next power
 of two, a lift between them packs each microbatch's ranks more tightly: on 64 ranks x 32K lognormal lengths (``base``
@@ -627,7 +631,8 @@ def _within_reach(scored: list[Scored], pick: int, memory: list[int]) -> bool:
 
 
 def candidate_plans(req: PlanRequest) -> dict[str, Plan]:
-    """Every plan :func:`schedule_hydra` chooses from, by candidate name: the formations of :func:`candidates`, the
+    """Every plan :func:`schedule_hydra` chooses from, by candidate name: the formations of :func:`candidates` as it
+    keeps them (at most one ``fine`` lift, :func:`_fine_lift`) with their balanced twins, the
     ``static`` plan and, where it joins them (:data:`MCORE_BUDGET`, :data:`MCORE_BUDGET_MEMORY`), ``mcore``'s
     placement as hydra keeps it (polished within :data:`POLISH_BUDGET`).
 
