@@ -75,6 +75,8 @@ def test_a_lift_replaces_the_choice_only_where_every_member_predicts_it_no_slowe
     # Megatron's placement is kept unless beaten by the margin under the planner's own model
     close = [(lift, np.array([3.1 * (1 - hydra.MCORE_MARGIN / 2), 2.9, 2.95]))]
     assert hydra._with_lifts(formed, scored, close, 3)[2] == 4 and hydra._with_lifts(formed, scored, close, 0)[2] == 0
+    ahead = [(lift, np.array([3.0 * (1 - hydra.MCORE_MARGIN / 2), 2.9, 2.95]))]  # barely, against a formation
+    assert hydra._with_lifts(formed, scored, ahead, 0)[2] == 2
     assert hydra._with_lifts(formed, scored, [], 1) == (formed, scored, 1)
 
 
@@ -95,11 +97,15 @@ def test_a_model_that_makes_short_rings_free_takes_no_lift(seed):
         rules=DegreeRules(world_size=32, ranks_per_node=8, num_heads=32), max_seq_len=32768,
     )  # fmt: skip
     choice = hydra._choice(req)
-    assert any(f.name.startswith("fine/load/x") for f in choice.formed)  # kept: the model ranks it first
-    assert not choice.scored[choice.pick].name.startswith("fine/load/x")
+    own = {s.name: s.spans for s in choice.scored}
+    lift = next(f.name for f in choice.formed if f.name.startswith("fine/load/x"))  # kept: the model ranks it first
+    pick = choice.scored[choice.hedged]
+    assert not pick.name.startswith("fine/load/x") and choice.pick == choice.hedged
+    assert own[lift][0] < pick.spans[0]  # the planner's own model prefers the lift: a member turns it down
+    assert (own[lift] > pick.spans).any()
     hw = truth("share50", LLAMA_8B.num_layers)
     chosen = plan_batch(batch, "hydra", fitted, 32, "32K", 4)[0]
-    lifted = hydra.candidate_plans(req)[next(f.name for f in choice.formed if f.name.startswith("fine/load/x"))]
+    lifted = hydra.candidate_plans(req)[lift]
     assert efficiency(lifted, hw)[0] < 0.9 * efficiency(chosen, hw)[0]
 
 
@@ -161,6 +167,9 @@ def test_the_choice_is_the_one_without_lifts_or_a_lift_none_predicts_slower(seed
     names = [s.name for s in choice.scored]
     lifts = [n for n in names if n.startswith("fine/load/x")]
     assert len(lifts) in (0, 2) and all(n.removesuffix("/bal") == lifts[0] for n in lifts)  # the lift and its twin
+    if lifts:  # kept only ahead of every other formation under the planner's own model
+        own = {s.name: float(s.spans[0]) for s in choice.scored}
+        assert own[lifts[0]] < min(own[f.name] for f in choice.formed if not f.balanced and f.name != lifts[0])
     assert [n for n in names if n not in lifts] == [s.name for s in before.scored]
     for mine, theirs in zip([s for s in choice.scored if s.name not in lifts], before.scored, strict=True):
         assert np.array_equal(mine.spans, theirs.spans)
@@ -171,6 +180,23 @@ def test_the_choice_is_the_one_without_lifts_or_a_lift_none_predicts_slower(seed
     plan = hydra.schedule_hydra(req)
     plan.check(req.lengths.tolist(), req.capacity)
     assert plan.stats["candidate"] == now.name
+
+
+@pytest.mark.parametrize(
+    ("seed", "calibrated", "kept", "chosen"),
+    [(0, False, False, False), (2, False, True, False), (1000, True, True, True)],
+)
+def test_the_property_s_examples_reach_each_outcome(seed, calibrated, kept, chosen):
+    """The three examples of the property above reach its three outcomes: no lift kept, a lift kept but the choice
+    without it standing, and a lift chosen (64 ranks x 32K lognormal lengths)."""
+    cost = llama8b_cost().replace(**CALIBRATED) if calibrated else None
+    batch = make_batch(
+        "lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=seed
+    )
+    choice = hydra._choice(_request(batch, 32768, 4096, cost))
+    names = [s.name for s in choice.scored]
+    assert any(n.startswith("fine/load/x") for n in names) == kept
+    assert names[choice.hedged].startswith("fine/load/x") == chosen
 
 
 def test_after_a_closed_loop_hydra_takes_a_fine_lift_the_truth_times_faster(monkeypatch):
