@@ -27,3 +27,6 @@ def test_hydra_is_within_the_best_within_zero_waiting_within_the_ceiling(capsys)
     # hydra's choice and Megatron's plan are in the family; a plan without waiting is no slower; the ceiling bounds all
     assert 0 < cell["hydra"] <= cell["best"] <= cell["zero_waiting"] <= 1
     assert cell["mcore"] <= cell["best"] and cell["best_over_mcore"] >= 1
+    assert cell["plans_per_batch"][0] >= 3 * 8 * 3 * 2 and len(cell["best_plans"]) == 1
+    assert summary["summary"]["hydra_of_best_min"] == round(cell["hydra"] / cell["best"], 4)
+    assert summary["summary"]["zero_waiting_below_target"] == int(cell["zero_waiting"] < 0.96)
