@@ -315,16 +315,15 @@ def candidates(req: PlanRequest, tables: dict[str, Tables] | None = None) -> lis
     if "pow2" not in tables:
         tables["pow2"] = Tables(req, ds)
     tab = tables["pow2"]
-    if req.within(LIFT_BUDGET):  # the power-of-two formation lifted, then LIFTED_SETS' where formed and timed
-        lifted = ("pow2", *LIFTED_SETS) if rings_timed(req.cost) else ("pow2",)
-        for name in lifted:
-            base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
-            if base is not None:
-                out += [form(req, base.degrees, raise_degrees=True, tables=tables[name], lift=lift) for lift in LIFTS]
-    if req.within(FINE_LIFT_BUDGET):  # the fine formation lifted: _choice keeps at most one (_fine_lift)
-        base = next((f for f in out if f.degrees.name == "fine" and not f.memory_driven), None)
+    lifted: list[str] = []  # the power-of-two formation lifted, then LIFTED_SETS' where formed and timed
+    if req.within(LIFT_BUDGET):
+        lifted += ["pow2", *LIFTED_SETS] if rings_timed(req.cost) else ["pow2"]
+    if req.within(FINE_LIFT_BUDGET):  # and the fine one, of whose lifts _choice keeps at most one (_fine_lift)
+        lifted.append("fine")
+    for name in lifted:
+        base = next((f for f in out if f.degrees.name == name and not f.memory_driven), None)
         if base is not None:
-            out += [form(req, base.degrees, raise_degrees=True, tables=tables["fine"], lift=lift) for lift in LIFTS]
+            out += [form(req, base.degrees, raise_degrees=True, tables=tables[name], lift=lift) for lift in LIFTS]
     fewer = fewer_microbatches(req, tab)
     if fewer is not None:
         out.append(form(req, ds, raise_degrees=False, tables=tab, microbatches=fewer))
@@ -484,8 +483,8 @@ def _choice(req: PlanRequest) -> _Choice:
             twin = balanced_twin(req, formed[i], tables)
             formed.append(twin)
             formed_spans.append(spans(*twin.flat(), crosses=twin.crosses(req)))
-        for lift, _ in lifted[:1]:  # the kept fine lift's own twin
-            twin = balanced_twin(req, lift, tables)
+        if lifted:  # the kept fine lift's own twin
+            twin = balanced_twin(req, lifted[0][0], tables)
             lifted.append((twin, spans(*twin.flat(), crosses=twin.crosses(req))))
     memory = [i for i, f in enumerate(formed) if f.memory_driven]
     shaped = [f.memory_driven and f.planned_for == req.num_microbatches and not f.balanced for f in formed]
