@@ -170,7 +170,7 @@ def run_cell(
 ) -> dict[str, Any]:
     """One cell: hydra calibrated by :mod:`~lightning_hydra.bench.robust`'s closed loop on its batches, then its
     choice and Megatron's placement of held-out batch ``batch``, each before and after :func:`improve`."""
-    hw = truth(truth_name, 32)
+    hw = truth(truth_name, LLAMA_8B.num_layers)
     loop = cell_batches(dist, world, context, range(2000, 2000 + steps))
     cost = closed_loop(loop, hw, world, context)
     lengths = cell_batches(dist, world, context, range(batch, batch + 1))[0]

@@ -34,7 +34,7 @@ import sys
 from typing import Any
 
 from lightning_hydra.bench.cells import add_cell_arguments, cells_of
-from lightning_hydra.bench.robust import LLAMA_8B, cell_batches, closed_loop, plan_batch, plan_request
+from lightning_hydra.bench.robust import LLAMA_8B, cell_batches, closed_loop, efficiency, plan_batch, plan_request
 from lightning_hydra.bench.schedule import CONTEXTS
 from lightning_hydra.planner.formation import form
 from lightning_hydra.planner.hydra import candidate_plans
@@ -44,7 +44,7 @@ from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.tables import DegreeSet, Tables
 from lightning_hydra.sim.ceiling import efficiency_ceiling
 from lightning_hydra.sim.family import truth
-from lightning_hydra.sim.truth import plan_times, useful_time
+from lightning_hydra.sim.truth import useful_time
 
 __all__ = ["FAMILY_LIFTS", "family", "main", "run_cell"]
 
@@ -97,13 +97,10 @@ def run_cell(
         best = zero = (0.0, "")
         for name, plan in plans.items():
             for variant in (plan, polish(plan, cost, capacity)[0]):
-                times, _ = plan_times(variant, model=LLAMA_8B, hardware=hw, layers=LLAMA_8B.num_layers, head_share=1.0)
-                best = max(best, (useful / world / float(times.max(axis=1).sum()), name))
+                e, times = efficiency(variant, hw)
+                best = max(best, (e, name))
                 zero = max(zero, (useful / float(times.sum()), name))
-        eff = {}
-        for name, plan in (("hydra", hydra), ("mcore", mcore)):
-            times, _ = plan_times(plan, model=LLAMA_8B, hardware=hw, layers=LLAMA_8B.num_layers, head_share=1.0)
-            eff[name] = useful / world / float(times.max(axis=1).sum())
+        eff = {"hydra": efficiency(hydra, hw)[0], "mcore": efficiency(mcore, hw)[0]}
         rows.append({
             "hydra": eff["hydra"] / ceiling, "mcore": eff["mcore"] / ceiling, "best": best[0] / ceiling,
             "zero_waiting": zero[0] / ceiling, "best_over_mcore": best[0] / eff["mcore"],
