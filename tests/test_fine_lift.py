@@ -12,12 +12,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lightning_hydra.planner.hydra as hydra
-from lightning_hydra.bench.batches import make_batch
-from lightning_hydra.bench.robust import LLAMA_8B, cell_batches, closed_loop, efficiency, plan_batch
+from lightning_hydra.bench.robust import LLAMA_8B, cell_batches, closed_loop, efficiency, plan_batch, plan_request
 from lightning_hydra.bench.schedule import llama8b_cost
-from lightning_hydra.planner import DegreeRules
 from lightning_hydra.planner.formation import Recipe
-from lightning_hydra.planner.request import PlanRequest
 from lightning_hydra.planner.robust import TIE, Scored
 from lightning_hydra.sim.family import truth
 
@@ -25,14 +22,6 @@ from lightning_hydra.sim.family import truth
 def _fake(name: str, degrees: str, lift: float, balanced: bool = False) -> SimpleNamespace:
     recipe = Recipe(raise_degrees=True, even=False, lift=lift, microbatches=None)
     return SimpleNamespace(name=name, degrees=SimpleNamespace(name=degrees), recipe=recipe, balanced=balanced)
-
-
-def _request(batch: np.ndarray, context: int, capacity: int, cost=None) -> PlanRequest:
-    return PlanRequest(
-        lengths=np.asarray(batch, dtype=np.int64), num_microbatches=8, capacity=capacity,
-        cost=llama8b_cost() if cost is None else cost, rules=DegreeRules(world_size=64, ranks_per_node=8, num_heads=32),
-        max_seq_len=context,
-    )  # fmt: skip
 
 
 def test_the_fastest_lift_is_kept_only_where_it_leads_every_other_formation():
@@ -91,11 +80,8 @@ def test_a_model_that_makes_short_rings_free_takes_no_lift(seed):
         ring_exposure=0.0, intra_node_bandwidth=74e9, bin_overhead=0.034, rings_measured=True,
         intra_rings_measured=True, inter_rings_measured=True,
     )  # fmt: skip
-    batch = make_batch("stdlib", world_size=32, capacity=4096, num_microbatches=4, fill=0.75, context=32768, seed=seed)
-    req = PlanRequest(
-        lengths=np.asarray(batch, dtype=np.int64), num_microbatches=4, capacity=4096, cost=fitted,
-        rules=DegreeRules(world_size=32, ranks_per_node=8, num_heads=32), max_seq_len=32768,
-    )  # fmt: skip
+    batch = cell_batches("stdlib", 32, "32K", range(seed, seed + 1), 0.75, 4)[0]
+    req = plan_request(batch, fitted, 32, "32K", 4)  # the request plan_batch builds
     choice = hydra._choice(req)
     own = {s.name: s.spans for s in choice.scored}
     lift = next(f.name for f in choice.formed if f.name.startswith("fine/load/x"))  # kept: the model ranks it first
@@ -112,8 +98,8 @@ def test_a_model_that_makes_short_rings_free_takes_no_lift(seed):
 def test_the_fine_formation_is_lifted_within_its_budget(monkeypatch):
     """Each lift is a valid plan of the whole batch and spends no more ranks per token than the unlifted ``fine``
     formation; above ``FINE_LIFT_BUDGET`` none is formed."""
-    batch = make_batch("lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=3)
-    req = _request(batch, 32768, 4096)
+    batch = cell_batches("lognormal", 64, "32K", range(3, 4))[0]
+    req = plan_request(batch, llama8b_cost(), 64, "32K")
     formed = {f.name: f for f in hydra.candidates(req)}
     lifted = [f"fine/load/x{lift:g}" for lift in hydra.LIFTS]
     assert set(lifted) <= set(formed)
@@ -141,22 +127,18 @@ on both links, their exposure checked."""
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000), dist=st.sampled_from(["lognormal", "pareto", "stdlib"]),
-    long=st.sampled_from([(32768, 4096), (262144, 16384)]), calibrated=st.booleans(),
+    context=st.sampled_from(["32K", "256K"]), calibrated=st.booleans(),
 )  # fmt: skip
-@example(seed=0, dist="lognormal", long=(32768, 4096), calibrated=False)  # no lift kept
-@example(seed=2, dist="lognormal", long=(32768, 4096), calibrated=False)  # kept, not chosen
-@example(seed=1000, dist="lognormal", long=(32768, 4096), calibrated=True)  # kept and chosen
-def test_the_choice_is_the_one_without_lifts_or_a_lift_none_predicts_slower(seed, dist, long, calibrated):
+@example(seed=0, dist="lognormal", context="32K", calibrated=False)  # no lift kept
+@example(seed=2, dist="lognormal", context="32K", calibrated=False)  # kept, not chosen
+@example(seed=1000, dist="lognormal", context="32K", calibrated=True)  # kept and chosen
+def test_the_choice_is_the_one_without_lifts_or_a_lift_none_predicts_slower(seed, dist, context, calibrated):
     """Over random batches, under the analytic model and a calibrated one: the choice forms and scores what it did
     without the lifts, plus at most one lift and its twin, which its own model predicts faster than every other
     formation; it chooses what it chose without them, or a lift that every member of the ensemble predicts no slower
     than that choice; the plan it makes is a valid plan of the whole batch."""
-    context, capacity = long
-    cost = llama8b_cost().replace(**CALIBRATED) if calibrated else None
-    batch = make_batch(
-        dist, world_size=64, capacity=capacity, num_microbatches=8, fill=0.75, context=context, seed=seed
-    )
-    req = _request(batch, context, capacity, cost)
+    cost = llama8b_cost().replace(**CALIBRATED) if calibrated else llama8b_cost()
+    req = plan_request(cell_batches(dist, 64, context, range(seed, seed + 1))[0], cost, 64, context)
     choice = hydra._choice(req)
     budget = hydra.FINE_LIFT_BUDGET
     try:
@@ -189,11 +171,9 @@ def test_the_choice_is_the_one_without_lifts_or_a_lift_none_predicts_slower(seed
 def test_the_property_s_examples_reach_each_outcome(seed, calibrated, kept, chosen):
     """The three examples of the property above reach its three outcomes: no lift kept, a lift kept but the choice
     without it standing, and a lift chosen (64 ranks x 32K lognormal lengths)."""
-    cost = llama8b_cost().replace(**CALIBRATED) if calibrated else None
-    batch = make_batch(
-        "lognormal", world_size=64, capacity=4096, num_microbatches=8, fill=0.75, context=32768, seed=seed
-    )
-    choice = hydra._choice(_request(batch, 32768, 4096, cost))
+    cost = llama8b_cost().replace(**CALIBRATED) if calibrated else llama8b_cost()
+    batch = cell_batches("lognormal", 64, "32K", range(seed, seed + 1))[0]
+    choice = hydra._choice(plan_request(batch, cost, 64, "32K"))
     names = [s.name for s in choice.scored]
     assert any(n.startswith("fine/load/x") for n in names) == kept
     assert names[choice.hedged].startswith("fine/load/x") == chosen
